@@ -35,6 +35,7 @@ import json
 import math
 import pathlib
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -50,6 +51,7 @@ from aggregator.compute.privacy import noise_multiplier_for  # noqa: E402
 from aggregator.strategies.dp_fed3r import fed3r_sensitivity  # noqa: E402
 from edge_client.data.idx import load_fashion_mnist  # noqa: E402
 from edge_client.features import FeatureExtractor  # noqa: E402
+from edge_client.sample_windows import SampleWindowLedger  # noqa: E402
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask  # noqa: E402
 from edge_client.tasks.head_training import HeadTrainingTask  # noqa: E402
 from edge_client.tasks.secure_fed3r import SecureFed3R  # noqa: E402
@@ -149,14 +151,19 @@ def run_fed3r(fleet, devices, test, z, secure, seed):
     ids = sorted(devices)
     rounds = math.ceil(len(ids) / FLEETS[fleet]["kappa"])
     cfg = fed3r_config(fleet, z, secure, rounds)
-    tasks = {d: Fed3RStatsTask(*devices[d], lambda b, s, w: CachedRows()) for d in ids}
-    if secure:
-        job, parts = secure_job(ids, tasks, lambda **keys: Fed3RSyncJob(Fed3RSyncConfig(**cfg), **keys), SecureFed3R)
-    else:
-        job, parts = build_job("fed3r", cfg), None
-        if z:
-            job.strategy.rng = np.random.default_rng(seed)
-    return drive(job, ids, test, "fed3r.stats", tasks, parts, seed)
+    # each device keeps its sample windows in a state folder of its own: a DP job caps its samples,
+    # which a device without one declines (edge_client/sample_windows.py)
+    with tempfile.TemporaryDirectory(prefix="dp-accuracy-windows-") as state:
+        tasks = {d: Fed3RStatsTask(*devices[d], lambda b, s, w: CachedRows(),
+                                   windows=SampleWindowLedger(pathlib.Path(state) / f"{d}.json")) for d in ids}
+        if secure:
+            job, parts = secure_job(ids, tasks, lambda **keys: Fed3RSyncJob(Fed3RSyncConfig(**cfg), **keys),
+                                    SecureFed3R)
+        else:
+            job, parts = build_job("fed3r", cfg), None
+            if z:
+                job.strategy.rng = np.random.default_rng(seed)
+        return drive(job, ids, test, "fed3r.stats", tasks, parts, seed)
 
 
 def run_fedavg(fleet, devices, test, z, secure, seed):

@@ -33,17 +33,33 @@ replaced in place (another data folder, another held-out split) keeps the bounda
 still bound its windows, but two answers over the same window of different data differ by what
 changed: that is not a windowing choice of the aggregator's and this ledger does not see it.
 
-**Kept.** In memory, and in the device's state folder when it has one (``sample_windows.json``,
-``{"boundaries": [0, ...]}`` ascending): a window is written (``protocols.files.write_atomic``,
-the store's temporary prefix) *before* its answer leaves the handler, and an answer whose window
-could not be written is declined (the boundaries it would have added are taken back), so a
-restarted device never forgets a window it answered. Read when the handlers are built: a regular
-file of at most ``MAX_FILE_BYTES``, strict JSON, ascending integers from 0; anything else is
-refused whole with a warning and the device starts with {0} (as one without a state folder does).
-Bounded: at most ``MAX_BOUNDARIES``; a window that would add one past that is declined (the
-ledger never forgets a boundary: a forgotten one could be approached again one sample off).
-Not job state: ``--forget-state`` leaves it (it guards the device's data, it holds no data).
-The Java device (``SampleWindows.java``) keeps the same file by the same rule.
+**Kept.** In the device's state folder (``sample_windows.json``, ``{"boundaries": [0, ...]}``
+ascending) and in memory: a window is written (``protocols.files.write_atomic``, the store's
+temporary prefix) *before* its answer leaves the handler, and an answer whose window could not be
+written is declined (the boundaries it would have added are taken back), so a restarted device
+never forgets a window it answered. Bounded: at most ``MAX_BOUNDARIES``; a window that would add
+one past that is declined (the ledger never forgets a boundary: a forgotten one could be approached
+again one sample off). Not job state: ``--forget-state`` leaves it (it guards the device's data, it
+holds no data). The Java device (``SampleWindows.java``) keeps the same file by the same rule, and
+fails closed in the same two cases, with the same words:
+
+**Lost** (fails closed). The file is read when the handlers are built: a regular file of at most
+``MAX_FILE_BYTES``, strict JSON, ascending integers from 0. A missing file is a fresh device. Any
+other file (damaged, not strict JSON, not ascending, too large, a directory, unreadable...) means
+the device no longer knows which windows it answered: starting from {0} would exempt a first
+answer again ([0, n) before, [0, n - 1) after: sample n - 1). So the ledger is *lost*: a warning
+naming the file and why, then every window is declined with ``LOST_REASON`` and nothing is written
+(the bad file stays for the operator). Recovery is the operator's, then a restart: repair the file,
+or move it aside to start a fresh ledger, accepting that the device forgets every window it
+answered (docs/deployment.md, "systemd unit for the device agent").
+
+**Unkept** (no state folder, ``path`` None; fails closed). Nothing outlives the process, so the
+device answers only a window of all its samples from the first, [0, n) (re-runs, a job capping at
+``max_samples`` >= n, a plain Fed3R job): two such answers over the same data are the same answer,
+whatever restarts between them. A capped window of fewer, or a streaming increment, is declined
+(``unkept_reason``: it names the missing state folder). Data that grows between restarts of such a
+device ([0, n), restart, [0, n + 1)) is not seen: a device whose data grows keeps a state folder.
+In-process the boundary rule still applies (``add_samples`` between two answers).
 """
 
 from __future__ import annotations
@@ -67,11 +83,23 @@ MIN_DIFFERENCE = 8
 MAX_BOUNDARIES = 4096
 # 4,096 integers below 2^63 (19 digits and a comma each) and the key: 80 KB, with room
 MAX_FILE_BYTES = 96 * 1024
+# the decline of every window once the kept file could not be read (SampleWindows.LOST_REASON: the same words)
+LOST_REASON = (f"this device's sample-window ledger ({WINDOWS_FILE} in its state folder) could not be read: it "
+               "answers no Fed3R window until an operator repairs that file or moves it aside and restarts it "
+               "(a fresh ledger forgets every window this device answered)")
+
+
+def unkept_reason(start: int, end: int, samples: int) -> str:
+    """The decline of a window that is not all of a device's samples, on a device without a state folder."""
+    return (f"samples [{start}, {end}) of {samples}: this device has no state folder (--state-dir) to keep the "
+            "windows it answered across a restart, so it answers only a window of all its samples from the first")
 
 
 class SampleWindowLedger:
-    """The boundaries of the windows a device answered; ``path``: where they are kept (None: in
-    memory only). Thread-safe: two tasks of one device never both pass on the same boundary."""
+    """The boundaries of the windows a device answered; ``path``: where they are kept (None: no
+    state folder, only windows of all the device's samples are answered). ``lost``: why the kept
+    file could not be read (then no window is answered), or None. Thread-safe: two tasks of one
+    device never both pass on the same boundary."""
 
     def __init__(self, path: str | Path | None = None, min_difference: int = MIN_DIFFERENCE):
         if isinstance(min_difference, bool) or not isinstance(min_difference, int) or min_difference < 1:
@@ -80,6 +108,7 @@ class SampleWindowLedger:
         self.min_difference = min_difference
         self._lock = threading.Lock()
         self._boundaries = [0]               # ascending
+        self.lost: str | None = None
         if self.path is not None:
             self._load()
 
@@ -88,16 +117,16 @@ class SampleWindowLedger:
         with self._lock:
             return list(self._boundaries)
 
-    def refusal(self, start: int, end: int) -> str | None:
-        """Why the window [start, end) of the device's samples may not be answered, or None."""
+    def refusal(self, start: int, end: int, samples: int) -> str | None:
+        """Why the window [start, end) of the device's ``samples`` samples may not be answered, or None."""
         with self._lock:
-            return self._refusal(start, end)
+            return self._refusal(start, end, samples)
 
-    def record(self, start: int, end: int) -> str | None:
+    def record(self, start: int, end: int, samples: int) -> str | None:
         """Keep [start, end) as answered (checked again: another task may have answered meanwhile)
         and write it down; why the answer may not go out, or None."""
         with self._lock:
-            reason = self._refusal(start, end)
+            reason = self._refusal(start, end, samples)
             if reason is not None:
                 return reason
             new = [b for b in (start, end) if b not in self._boundaries]
@@ -117,7 +146,11 @@ class SampleWindowLedger:
                         f"({type(exc).__name__}): a window it could forget is not answered")
             return None
 
-    def _refusal(self, start: int, end: int) -> str | None:
+    def _refusal(self, start: int, end: int, samples: int) -> str | None:
+        if self.lost is not None:
+            return LOST_REASON
+        if self.path is None and (start, end) != (0, samples):
+            return unkept_reason(start, end, samples)
         kept = self._boundaries
         new = [b for b in (start, end) if b not in kept]
         if not new or (kept == [0] and start == 0):
@@ -141,8 +174,9 @@ class SampleWindowLedger:
         except FileNotFoundError:
             pass
         except (OSError, ValueError, RecursionError) as exc:
-            log.warning("the device's sample windows %s are unreadable (%s): starting without them",
-                        self.path, str(exc)[:200])
+            self.lost = str(exc)[:200]           # kept as it is, for the operator: never written over
+            log.warning("the device's sample windows %s are unreadable (%s): no Fed3R window is answered until "
+                        "the file is repaired or moved aside", self.path, self.lost)
 
 
 def nearest(kept: list[int], b: int) -> tuple[int, int]:
@@ -166,4 +200,4 @@ def checked_boundaries(doc) -> list[int]:
     return values
 
 
-__all__ = ["MAX_BOUNDARIES", "MIN_DIFFERENCE", "SampleWindowLedger", "WINDOWS_FILE"]
+__all__ = ["LOST_REASON", "MAX_BOUNDARIES", "MIN_DIFFERENCE", "SampleWindowLedger", "WINDOWS_FILE"]

@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the local train / held-out split")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where this device keeps per-job state between rounds (partial personalization's personal "
-                        "part, Scaffold's control variate): stateful tasks need it (default: none, they are declined)")
+                        "part, Scaffold's control variate) and the windows of samples its Fed3R answers covered: "
+                        "stateful tasks need it, and so do Fed3R tasks over fewer than all its samples (DP caps, "
+                        "streaming) (default: none, they are declined)")
     p.add_argument("--state-budget-mb", type=float, default=16.0,
                    help="the most state all jobs together may keep in --state-dir; a job needing more is declined")
     p.add_argument("--forget-state", action="store_true",

@@ -127,7 +127,9 @@ class EmulatedFleet:
                 "source_addresses": None if cfg.broker or cfg.ray else loopback_sources(w, len(mine)),
                 "topic_root": cfg.topic_root, "devices": mine, "seed": cfg.seed,
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
-                "state_dir": str(out / "device_state"),       # each device's own store, <state_dir>/<device id>
+                # each device's own store, <state_dir>/<device id>: its per-job state and its Fed3R sample
+                # windows (without one a device declines DP caps and streaming: edge_client/sample_windows.py)
+                "state_dir": str(out / "device_state"),
                 "step_threads": cfg.host_threads, "keepalive_s": cfg.keepalive_s,
                 "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
                 "secure": None if self.secure is None else {

@@ -166,6 +166,16 @@ def secure_fed3r_handlers(device: str, keys: SecureKeys) -> dict:
     return {SYNC_KIND: handler, SECAGG_TYPE: handler}
 
 
+def kept_windows(folder: Path, min_difference: int | None = None):
+    """The Fed3R sample-window ledger of a device with a state folder (``folder``, made here), as
+    ``fedfleet device --state-dir`` keeps it: a device without one answers only windows of all its
+    samples (no streaming increments, no caps below its count; edge_client/sample_windows.py)."""
+    from edge_client.sample_windows import MIN_DIFFERENCE, WINDOWS_FILE, SampleWindowLedger
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return SampleWindowLedger(Path(folder) / WINDOWS_FILE, min_difference or MIN_DIFFERENCE)
+
+
 def features_of(device: str):
     """A device's synthetic features as the device handlers' local data (20 training, the rest held out)."""
     from edge_client.handlers import LocalData

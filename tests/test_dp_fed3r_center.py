@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from ops_fleet import Features
+from ops_fleet import Features, kept_windows
 from ssp_reference import ssp_weights
 from stateful_jobs import run_round
 
@@ -82,11 +82,13 @@ def test_center_and_centred_solve_equal_a_numpy_reference():
                                atol=1e-8)
 
 
-def handlers(devices, n=3):
+def handlers(devices, folder, n=3):
+    """Each device's Fed3R task, its sample windows kept in folder/<device> (the job caps samples:
+    a device without a state folder would decline, edge_client/sample_windows.py)."""
     out = {}
     for i, d in enumerate(devices):
         Z, y = data(n, 10 + i)
-        out[d] = Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D))
+        out[d] = Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D), windows=kept_windows(folder / d))
     return out
 
 
@@ -96,10 +98,10 @@ def config(**over):
             "seed": 4, "max_abs_feature": 50.0, **over}
 
 
-def test_job_asks_m_devices_for_the_center_then_centres_the_rest():
+def test_job_asks_m_devices_for_the_center_then_centres_the_rest(tmp_path):
     devices = [f"cam-{i}" for i in range(8)]
     job = build_job("fed3r", config())
-    h = handlers(devices)
+    h = handlers(devices, tmp_path)
     first = run_round(job, h, KIND)
     assert len(first) == 3 and all(not params.get("centered") for params, *_ in first.values())
     mu = job.strategy.center.value
@@ -120,10 +122,10 @@ def test_job_asks_m_devices_for_the_center_then_centres_the_rest():
     np.testing.assert_allclose(again.model().intercept_, job.model().intercept_, rtol=1e-12)
 
 
-def test_the_center_round_waits_for_its_m_devices_and_drops_a_round_most_of_them_left():
+def test_the_center_round_waits_for_its_m_devices_and_drops_a_round_most_of_them_left(tmp_path):
     job = build_job("fed3r", config(dp_center_devices=4))
     devices = [f"cam-{i}" for i in range(9)]
-    h = handlers(devices)
+    h = handlers(devices, tmp_path)
     assert job.next_participants(set(devices[:3])) == []              # 3 online < m = 4: no round yet
     chosen = job.next_participants(set(devices))
     assert len(chosen) == 4
@@ -141,13 +143,13 @@ def result_envelope(handler, params, tensors):
     return decode(encode(result_message("cam-0", TaskRef("fed3r", 2, "x" * 32), KIND, body, out)))
 
 
-def test_no_release_round_smaller_than_dp_min_round_devices_opens():
+def test_no_release_round_smaller_than_dp_min_round_devices_opens(tmp_path):
     """``dp_min_round_devices``: every round of the model is a release with noise of its own, so a
     round of fewer devices is not opened (the center round is its own rule), and the job is
     finished once fewer than that many devices are left to ask."""
     devices = [f"cam-{i}" for i in range(10)]
     job = build_job("fed3r", config(dp_min_round_devices=4, max_attempts=2))
-    h = handlers(devices)
+    h = handlers(devices, tmp_path)
     assert len(run_round(job, h, KIND)) == 3                          # the center round: m = 3 < 4 is fine
     rest = sorted(set(devices) - set(job.contributed) - set(job.attempts))
     assert job.next_participants(set(rest[:3])) == [] and job.round == 1     # 3 online < 4: no release yet
@@ -171,12 +173,12 @@ def test_dp_min_round_devices_is_central_dps(kind, over, message):
         build_job(kind, config(**over))
 
 
-def test_bad_centers_are_declined_and_uncentred_rows_refused():
+def test_bad_centers_are_declined_and_uncentred_rows_refused(tmp_path):
     job = build_job("fed3r", config())
-    h = handlers(["cam-0", "cam-1", "cam-2"])
+    h = handlers(["cam-0", "cam-1", "cam-2"], tmp_path)
     run_round(job, h, KIND)
     params, tensors = job.task_for("cam-9")
-    device = handlers(["cam-9"])["cam-9"]
+    device = handlers(["cam-9"], tmp_path)["cam-9"]
     for bad in ({}, {CENTER_TENSOR: np.zeros(D + 1)}, {CENTER_TENSOR: np.full(D, np.nan)}):
         with pytest.raises(TaskDeclined):
             device(params, bad)
@@ -210,7 +212,7 @@ def sync_job(devices, **over):
                         registry=IdentityRegistry({d: DeviceIdentity.generate(d).public_key_bytes for d in devices}))
 
 
-def test_secure_device_sends_its_noisy_feature_sum_then_centred_statistics():
+def test_secure_device_sends_its_noisy_feature_sum_then_centred_statistics(tmp_path):
     """Fed3R-Sync's device (``SecureFed3R``) against numpy, the same seeded noise: in the center
     round, (Σ z, n) of its first N rows clipped to F with noise on every entry, the count's too;
     after it, the statistics of its rows minus the center, clipped to F_c, blocks scaled, noised."""
@@ -227,7 +229,8 @@ def test_secure_device_sends_its_noisy_feature_sum_then_centred_statistics():
     assert params["center_round"] and "block_scales" not in params and not tensors and params["feature_clip_norm"] == 20.0
     Z, y = data(5, 7)
     device = SecureFed3R(DeviceIdentity.generate("cam-0"), job.identity.public_key_bytes,
-                         Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D)),
+                         Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D),
+                                        windows=kept_windows(tmp_path)),
                          noise_rng=np.random.default_rng(11))
     rows = clip(Z[:2].astype(np.float32).astype(np.float64), 20.0)
     dp = params["dp"]

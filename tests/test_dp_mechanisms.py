@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from ops_fleet import Features, in_memory_keys
+from ops_fleet import Features, in_memory_keys, kept_windows
 from scipy import stats
 
 from aggregator.jobs.registry import build_job
@@ -80,10 +80,13 @@ def test_adaptive_clipping_follows_the_quantile_rule_and_its_noise_split():
     assert abs(quiet.value - np.median(norms)) < 0.6
 
 
-def fed3r_stats_task(n=40, d=6, scale=5.0, seed=0):
+def fed3r_stats_task(folder, n=40, d=6, scale=5.0, seed=0):
+    """A fresh device's Fed3R task, its sample windows kept in ``folder`` (a DP job caps samples:
+    without a state folder the device would decline, edge_client/sample_windows.py)."""
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 3, n)
-    return Fed3RStatsTask((rng.normal(size=(n, d)) * scale).astype(np.float32), y, lambda b, s, w: Features(d))
+    return Fed3RStatsTask((rng.normal(size=(n, d)) * scale).astype(np.float32), y, lambda b, s, w: Features(d),
+                          windows=kept_windows(folder))
 
 
 def fed3r_envelope(task, params):
@@ -91,15 +94,16 @@ def fed3r_envelope(task, params):
     return decode(encode(result_message("dev0", TaskRef("j", 1, "x" * 32), "fed3r.stats", body, tensors)))
 
 
-def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them():
+def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them(tmp_path):
+    folders = (tmp_path / str(k) for k in range(10))            # a fresh device each
     F, N = 1.5, 25
     job = build_job("fed3r", {"num_classes": 3, "feature_dim": 6, "dp_noise_multiplier": 1.0,
                               "feature_clip_norm": F, "max_samples": N})
     params = job.task_for("dev0")[0]
     assert params["cap_samples"] and params["max_samples"] == N
-    factor = job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), params))      # n < p: the factor form
+    factor = job.parse_result(fed3r_envelope(fed3r_stats_task(next(folders), n=2), params))      # n < p: the factor form
     assert factor.r_factor is not None
-    stats_ = job.parse_result(fed3r_envelope(fed3r_stats_task(), params))
+    stats_ = job.parse_result(fed3r_envelope(fed3r_stats_task(next(folders)), params))
     assert stats_.n == N
     A = np.zeros((7, 7))
     A[np.triu_indices(7)] = stats_.a_upper
@@ -107,11 +111,11 @@ def test_device_clipping_and_cap_bound_the_statistics_and_the_server_checks_them
     assert np.linalg.norm(A + np.triu(A, 1).T) <= N * (F ** 2 + 1) and np.linalg.norm(stats_.b) <= N * math.sqrt(F ** 2 + 1)
     unclipped = {k: v for k, v in params.items() if k not in ("feature_clip_norm",)}
     with pytest.raises(EnvelopeError, match="clipped bound"):       # a device that did not clip is refused
-        job.parse_result(fed3r_envelope(fed3r_stats_task(), unclipped))
+        job.parse_result(fed3r_envelope(fed3r_stats_task(next(folders)), unclipped))
     with pytest.raises(EnvelopeError, match="clipped bound"):       # in either form
-        job.parse_result(fed3r_envelope(fed3r_stats_task(n=2), unclipped))
+        job.parse_result(fed3r_envelope(fed3r_stats_task(next(folders), n=2), unclipped))
     with pytest.raises(EnvelopeError, match="cap"):
-        job.parse_result(fed3r_envelope(fed3r_stats_task(), {**params, "max_samples": 40}))
+        job.parse_result(fed3r_envelope(fed3r_stats_task(next(folders)), {**params, "max_samples": 40}))
 
 
 def test_a_dense_gram_matrix_is_bounded_by_its_whole_frobenius_norm_not_its_packed_triangle():

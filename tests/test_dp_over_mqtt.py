@@ -8,7 +8,7 @@ import threading
 import dp_accounting
 import numpy as np
 from dp_accounting import rdp
-from ops_fleet import Features, assert_noise_of_variance, clipped_sums, close_fails_once
+from ops_fleet import Features, assert_noise_of_variance, clipped_sums, close_fails_once, kept_windows
 
 from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
@@ -52,6 +52,12 @@ def head_training(i):
     return {"fedavg.head": HeadTrainingTask(*device_data(i), lambda b, s, w: Features(D))}
 
 
+def capping_device(i: int, folder) -> Fed3RStatsTask:
+    """Device i's Fed3R task; a DP job caps its samples, which a device answers only with a state
+    folder to keep its sample windows in (``folder``/dev<i>; edge_client/sample_windows.py)."""
+    return Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D), windows=kept_windows(folder / f"dev{i}"))
+
+
 def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_path):
     ids = [f"dev{i}" for i in range(5)]
     F, N, z = 4.0, 20, 0.8
@@ -59,8 +65,7 @@ def test_dp_fed3r_over_mosquitto_releases_clipped_sums_plus_noise(broker, tmp_pa
            "expected_devices": 5, "dp_noise_multiplier": z, "dp_target_epsilon": 8.0, "feature_clip_norm": F,
            "max_samples": N, "dp_mechanism": "gaussian"}    # one stddev on every entry (ssp: test_dp_fed3r_ssp.py)
     job = build_job("fed3r", cfg)
-    result = run_service(job, broker, tmp_path, ids,
-                         lambda i: {"fed3r.stats": Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D))})
+    result = run_service(job, broker, tmp_path, ids, lambda i: {"fed3r.stats": capping_device(i, tmp_path)})
     assert result["state"] == "done" and len(job.contributed) == 5
     # reference: every device's first N rows, clipped to F, bias appended
     A, B = clipped_sums(map(device_data, range(5)), C, N, F)

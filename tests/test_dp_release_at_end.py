@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 from ops_fleet import Features, assert_noise_of_variance, clipped_sums
-from test_dp_over_mqtt import C, D, device_data, run_service
+from test_dp_over_mqtt import C, D, capping_device, device_data, run_service
 
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.jobs.registry import build_job
@@ -129,8 +129,7 @@ def test_dp_fed3r_over_mosquitto_releases_its_rounds_once_at_the_end(broker, tmp
            "expected_devices": 5, "dp_noise_multiplier": z, "dp_target_epsilon": 8.0, "feature_clip_norm": F,
            "max_samples": N, "dp_mechanism": "gaussian", "dp_release": "end"}
     job = build_job("fed3r", cfg)
-    result = run_service(job, broker, tmp_path, ids,
-                         lambda i: {"fed3r.stats": Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D))})
+    result = run_service(job, broker, tmp_path, ids, lambda i: {"fed3r.stats": capping_device(i, tmp_path)})
     assert result["state"] == "done" and len(job.contributed) == 5
     A, B = clipped_sums(map(device_data, range(5)), C, N, F)
     # three rounds, one noisy sum: one draw's variance in every entry (three rounds' when each is released)
@@ -198,7 +197,7 @@ def serve_with_store(broker, out, store: Store, devices: bool = True, timeout: f
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
-                          {"fed3r.stats": Fed3RStatsTask(*device_data(i), lambda b, s, w: Features(D))}).start()
+                          {"fed3r.stats": capping_device(i, out / "devices")}).start()
               for i, d in enumerate(IDS)]
     thread.join(timeout)
     for agent in agents:

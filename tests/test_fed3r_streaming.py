@@ -15,7 +15,7 @@ from protocols import messages as M
 from protocols.envelope import EnvelopeError, decode, encode
 from protocols.payloads.fed3r import KIND
 
-from ops_fleet import Features, Fleet, prepare, run_aggregator, serve_until_done
+from ops_fleet import Features, Fleet, kept_windows, prepare, run_aggregator, serve_until_done
 from test_fed3r_exactness import reference_ridge
 
 D, C, LAM = 5, 3, 0.5
@@ -35,11 +35,13 @@ def answer(job, device, handler, round_):
                                           tensors)))
 
 
-def test_each_increment_gives_the_centralized_ridge_on_everything_so_far():
+def test_each_increment_gives_the_centralized_ridge_on_everything_so_far(tmp_path):
     job = Fed3RJob(Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, streaming=True, normalize_columns=False))
     # increments of at least MIN_DIFFERENCE (8) samples: a smaller one waits (edge_client/sample_windows.py)
     data = {"a": batches(1, [12, 9, 10]), "b": batches(2, [7, 20])}
-    handlers = {d: Fed3RStatsTask(*bs[0], lambda *a: Features(D)) for d, bs in data.items()}
+    # each keeps its sample windows in its state folder: without one a device answers no increment
+    handlers = {d: Fed3RStatsTask(*bs[0], lambda *a: Features(D), windows=kept_windows(tmp_path / d))
+                for d, bs in data.items()}
     seen = {d: 1 for d in data}                         # batches each device holds
     sent = {d: 0 for d in data}                         # batches the job holds
     schedule = ["a", "b", "a", "b", "a"]                # who reports next; new data arrives in between
@@ -71,11 +73,12 @@ def test_each_increment_gives_the_centralized_ridge_on_everything_so_far():
 
 
 class Gathering:
-    """A device that gathers its next batch of data between tasks (while it has one left)."""
+    """A device that gathers its next batch of data between tasks (while it has one left), its
+    sample windows kept in its state folder ``folder``."""
 
-    def __init__(self, bs):
+    def __init__(self, bs, folder):
         self.bs, self.next, self.calls = bs, 1, 0
-        self.task = Fed3RStatsTask(*bs[0], lambda *a: Features(D))
+        self.task = Fed3RStatsTask(*bs[0], lambda *a: Features(D), windows=kept_windows(folder))
 
     def __call__(self, params, tensors=None):
         self.calls += 1
@@ -90,8 +93,8 @@ def test_streaming_job_over_mosquitto_ingests_every_increment_once(broker, tmp_p
     config = Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, streaming=True, clients_per_round=3, max_attempts=1,
                          round_timeout_s=20, expected_devices=3)
     store = Store(tmp_path / "s.db")
-    _, result = serve_until_done(Fed3RJob(config), broker.url, tmp_path, {d: {KIND: Gathering(bs)} for d, bs in data.items()},
-                                 store)
+    devices = {d: {KIND: Gathering(bs, tmp_path / "devices" / d)} for d, bs in data.items()}
+    _, result = serve_until_done(Fed3RJob(config), broker.url, tmp_path, devices, store)
     assert result["state"] == "done"
     assert result["contributed"] == {d: sum(len(y) for _, y in bs) for d, bs in data.items()}
     stored = [c.device for c in store.contributions(config.job_id)]
@@ -119,8 +122,9 @@ def test_streaming_job_on_two_shards_gives_one_aggregators_model(tmp_path):
         work = tmp_path / name
         prepare(work, sorted(data), num_classes=C, feature_dim=D, lam=LAM, streaming=True, clients_per_round=3,
                 max_attempts=1, round_timeout_s=20)
+        devices = tmp_path / "devices" / name
         with MosquittoBroker() as broker, Fleet(broker.url, sorted(data),
-                                                handlers=lambda d: ({KIND: Gathering(data[d])}, {})):
+                                                handlers=lambda d: ({KIND: Gathering(data[d], devices / d)}, {})):
             rc, log = run_aggregator(work, broker.url, work / "state.db", extra=extra, timeout=240)
         assert rc == 0, log[-3000:]
         results = json.loads((work / "out" / "results.json").read_text())
@@ -135,13 +139,13 @@ def test_streaming_job_on_two_shards_gives_one_aggregators_model(tmp_path):
     assert np.linalg.norm(runs[1]["raw_weights"] - ref) / np.linalg.norm(ref) < 1e-10
 
 
-def test_a_devices_increments_stay_within_the_per_device_cap_in_all():
+def test_a_devices_increments_stay_within_the_per_device_cap_in_all(tmp_path):
     """A review's finding: each increment was held to the per-device cap alone, so a device claiming
     the cap in every round grew its weight without end. The device's samples in all are capped."""
     job = Fed3RJob(Fed3RConfig(num_classes=C, feature_dim=D, lam=LAM, streaming=True, normalize_columns=False,
                                max_device_samples=30))
     first, second = batches(3, [20, 15])
-    task = Fed3RStatsTask(*first, lambda *a: Features(D))
+    task = Fed3RStatsTask(*first, lambda *a: Features(D), windows=kept_windows(tmp_path))
     job.apply("a", job.parse_result(answer(job, "a", task, 1)))
     task.add_samples(*second)
     with pytest.raises(EnvelopeError, match="20 \\+ 15 samples of a exceed the job's cap of 30"):

@@ -34,6 +34,7 @@ import pytest
 
 import java_build
 from test_differential_fuzz import head_tolerance
+from ops_fleet import kept_windows
 from test_java_device import write_features
 from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.service.settings import ServiceSettings
@@ -88,13 +89,23 @@ RECIPE = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, 
           "epochs": 3, "batch_size": 8, "lr": 0.05, "weight_decay": 4e-5, "temperature": 0.1, "seed": 11}
 
 
-def run_java_task(java_cp, tmp_path, params, tensors, data, kind: str = "fedavg.head") -> tuple[str, object]:
+def state_args(state) -> list:
+    """TaskRunner's arguments for a device with the state folder ``state`` (made here; none when None):
+    a Fed3R task that caps samples or streams is answered only with one (edge_client/sample_windows.py)."""
+    if state is None:
+        return []
+    state.mkdir(parents=True, exist_ok=True)
+    return ["-", state]
+
+
+def run_java_task(java_cp, tmp_path, params, tensors, data, kind: str = "fedavg.head",
+                  state=None) -> tuple[str, object]:
     """The Java handler of ``kind`` on one task: (its output lines, the result envelope or None)."""
     from protocols.envelope import decode
 
     (tmp_path / "task.bin").write_bytes(task_bytes(params, tensors, kind))
     feats = write_features(tmp_path / "f.feat", *data)
-    out = java(java_cp, tmp_path / "task.bin", feats, tmp_path / "result.bin")
+    out = java(java_cp, tmp_path / "task.bin", feats, tmp_path / "result.bin", *state_args(state))
     return out, (decode((tmp_path / "result.bin").read_bytes()) if out.startswith("DONE") else None)
 
 
@@ -192,9 +203,10 @@ def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, r
     assert np.abs(got - want).max() <= len(y) * HEAD_ATOL
 
 
-def java_vector(java_cp, tmp_path, params, tensors, kind, data) -> np.ndarray:
+def java_vector(java_cp, tmp_path, params, tensors, kind, data, state=None) -> np.ndarray:
     (tmp_path / "task.bin").write_bytes(task_bytes(params, tensors, kind))
-    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *data), tmp_path / "x.bin")
+    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *data), tmp_path / "x.bin",
+               *state_args(state))
     assert out.startswith("VECTOR"), out
     return np.array(out.split()[1:], dtype=np.float64)
 
@@ -228,8 +240,9 @@ def test_secure_vectors_under_distributed_dp_are_the_python_devices(java_cp, tmp
 
     params = {**FED3R_PARAMS, "group": "g", "max_samples": 20, "feature_clip_norm": 2.0, "cap_samples": True,
               "dp": {"stddev": 1e-9, "scale_bits": GRID_BITS}}
-    got = java_vector(java_cp, tmp_path, params, {}, "fed3r.secure", device_data(1))
-    _, stats = Fed3RStatsTask(*device_data(1), lambda b, s, w: Features(D))(dict(params, format="dense", dtype="float64"))
+    got = java_vector(java_cp, tmp_path, params, {}, "fed3r.secure", device_data(1), state=tmp_path / "java")
+    _, stats = Fed3RStatsTask(*device_data(1), lambda b, s, w: Features(D), windows=kept_windows(tmp_path / "python"))(
+        dict(params, format="dense", dtype="float64"))
     want = np.rint(np.ldexp(pack_sync_vector(stats["A_upper"], stats["b"], 0), GRID_BITS)) / 2.0 ** GRID_BITS
     assert got[-1] == 0.0 and np.abs(got - want).max() <= 2.0 ** -GRID_BITS
 
@@ -254,9 +267,11 @@ def test_a_noise_too_large_to_draw_is_declined_by_both_devices(java_cp, tmp_path
     params = {**FED3R_PARAMS, "group": "g", "max_samples": 20, "feature_clip_norm": 2.0, "cap_samples": True,
               "dp": {"stddev": stddev, "scale_bits": scale_bits}}
     (tmp_path / "task.bin").write_bytes(task_bytes(params, {}, "fed3r.secure"))
-    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *device_data(1)), tmp_path / "x.bin")
+    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", *device_data(1)), tmp_path / "x.bin",
+               *state_args(tmp_path / "java"))
     assert out.startswith("DECLINED bad dp params") and "too large to draw" in out, out
-    device = SecureFed3R(DeviceIdentity.generate("d"), bytes(32), Fed3RStatsTask(*device_data(1), lambda b, s, w: Features(D)))
+    device = SecureFed3R(DeviceIdentity.generate("d"), bytes(32), Fed3RStatsTask(
+        *device_data(1), lambda b, s, w: Features(D), windows=kept_windows(tmp_path / "python")))
     with pytest.raises(TaskDeclined, match="too large to draw"):
         device.vector(params, {})
     assert np.isfinite(np.random.default_rng(0).poisson(POISSON_LAM_MAX))      # the limit itself is drawn
@@ -459,9 +474,9 @@ def test_fed3r_stats_streaming_and_dp_equal_the_python_device(java_cp, tmp_path,
 
     Z, y = device_data(1)
     params = {**FED3R_PARAMS, **extra}
-    out, result = run_java_task(java_cp, tmp_path, params, {}, (Z, y), kind="fed3r.stats")
+    out, result = run_java_task(java_cp, tmp_path, params, {}, (Z, y), kind="fed3r.stats", state=tmp_path / "java")
     assert out.startswith("DONE"), out
-    body, tensors = Fed3RStatsTask(Z, y, lambda b, s, w: Features(D))(params, None)
+    body, tensors = Fed3RStatsTask(Z, y, lambda b, s, w: Features(D), windows=kept_windows(tmp_path / "python"))(params, None)
     for k in ("n", "from_sample"):
         assert result.body.get(k) == body.get(k), k
     assert set(result.tensors) == set(tensors)
@@ -470,7 +485,8 @@ def test_fed3r_stats_streaming_and_dp_equal_the_python_device(java_cp, tmp_path,
         assert got.dtype == ref.dtype and got.shape == ref.shape, k
         assert np.abs(got - ref).max() <= 1e-12 * max(1.0, np.abs(ref).max()), k
     if extra.get("cap_samples"):       # the clipping bit: unclipped statistics would differ
-        _, unclipped = Fed3RStatsTask(Z, y, lambda b, s, w: Features(D))({**params, "feature_clip_norm": 0.0}, None)
+        _, unclipped = Fed3RStatsTask(Z, y, lambda b, s, w: Features(D), windows=kept_windows(tmp_path / "other"))(
+            {**params, "feature_clip_norm": 0.0}, None)
         assert not np.allclose(unclipped["A_upper"], tensors["A_upper"])
 
 
@@ -573,11 +589,14 @@ def run_mixed_sync_fleet(java_cp, broker, tmp_path, job, agg, keys, seeds, py_id
 
     ids = JAVA_IDS + list(py_ids)
     service = RecordingService(job, broker.url, tmp_path / "out", set(ids), identity=agg)
-    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex()], seeds=seeds,
-                             data=data)
+    # every device with a state folder: the DP job caps their samples (edge_client/sample_windows.py)
+    jvm = start_java_devices(java_cp, broker.url, tmp_path, ["--aggregator-key", agg.public_key_bytes.hex(),
+                                                             "--state-dir", str(tmp_path / "java_state")],
+                             seeds=seeds, data=data)
     agents = []
     for i, d in enumerate(py_ids, start=len(JAVA_IDS)):
-        secure = SecureFed3R(keys[d], agg.public_key_bytes, Fed3RStatsTask(*data(i), lambda b, s, w: Features(dim)))
+        secure = SecureFed3R(keys[d], agg.public_key_bytes, Fed3RStatsTask(
+            *data(i), lambda b, s, w: Features(dim), windows=kept_windows(tmp_path / "py_state" / d)))
         agents.append(DeviceAgent(d, BrokerConfig.from_url(broker.url), {}, aggregator_key=agg.public_key_bytes,
                                   protocol_handlers={SYNC_KIND: secure, SECAGG_TYPE: secure}).start())
     try:

@@ -7,6 +7,7 @@ re-runs and DP caps are answered."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -14,10 +15,12 @@ import numpy as np
 import pytest
 
 from edge_client.agent import TaskDeclined
-from edge_client.sample_windows import MAX_BOUNDARIES, MIN_DIFFERENCE, WINDOWS_FILE, SampleWindowLedger
+from edge_client.sample_windows import LOST_REASON, MAX_BOUNDARIES, MIN_DIFFERENCE, WINDOWS_FILE, SampleWindowLedger
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from protocols.payloads.fed3r import Fed3RStatsParams, triu_unpack
 from protocols.payloads.task_params import ModelSpec
+
+from ops_fleet import kept_windows as kept
 
 D, C = 5, 3
 
@@ -35,7 +38,7 @@ def data(n: int = 40, seed: int = 0):
 
 
 def device(x, y, windows: SampleWindowLedger | None = None) -> Fed3RStatsTask:
-    if windows is None:                 # the device's default (as before the rule: none)
+    if windows is None:                 # the device's default: no state folder (tests/test_sample_windows_closed.py)
         return Fed3RStatsTask(x, y, lambda *a: Features())
     return Fed3RStatsTask(x, y, lambda *a: Features(), windows=windows)
 
@@ -72,39 +75,39 @@ ONE_APART = {"from_sample": ({"from_sample": 11}, {"from_sample": 12}, 11),
 
 
 @pytest.mark.parametrize("choice", sorted(ONE_APART))
-def test_two_windows_one_sample_apart_reveal_it_without_the_rule(choice):
+def test_two_windows_one_sample_apart_reveal_it_without_the_rule(choice, tmp_path):
     """The finding, shown: with the rule off the difference is the device's sample k, features and label."""
     x, y = data()
     first, second, k = ONE_APART[choice]
-    handler = device(x, y, SampleWindowLedger(min_difference=1))
+    handler = device(x, y, kept(tmp_path, min_difference=1))
     features, label = reconstruct(*ask(handler, **first), *ask(handler, **second))
     assert label == y[k]
     np.testing.assert_allclose(features, x[k].astype(np.float64), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("choice", sorted(ONE_APART))
-def test_the_second_window_one_sample_apart_is_declined(choice):
+def test_the_second_window_one_sample_apart_is_declined(choice, tmp_path):
     x, y = data()
     first, second, _ = ONE_APART[choice]
-    handler = device(x, y)
+    handler = device(x, y, kept(tmp_path))
     ask(handler, **first)
     with pytest.raises(TaskDeclined, match=f"differenced down to fewer than {MIN_DIFFERENCE} samples"):
         ask(handler, **second)
     ask(handler, **first)                                   # the same window again: a re-run, answered
 
 
-def test_a_sum_of_answers_cannot_isolate_a_sample_either():
+def test_a_sum_of_answers_cannot_isolate_a_sample_either(tmp_path):
     """[0, 10), [10, 20) and [0, 21) differ pairwise by 11 samples, yet the third less the first two
     is sample 20: a rule on pairs lets it through, the boundary rule does not."""
     x, y = data()
-    off = device(x, y, SampleWindowLedger(min_difference=1))
+    off = device(x, y, kept(tmp_path / "off", min_difference=1))
     A1, B1 = ask(off, **capped(0, 10))
     A2, B2 = ask(off, **capped(10, 10))
     A3, B3 = ask(off, **capped(0, 21))
     features, label = reconstruct(A3, B3, A1 + A2, B1 + B2)
     assert label == y[20] and np.allclose(features, x[20], atol=1e-9)
 
-    handler = device(x, y)
+    handler = device(x, y, kept(tmp_path))
     ask(handler, **capped(0, 10))
     ask(handler, **capped(10, 10))
     with pytest.raises(TaskDeclined, match="boundary at 21 lies 1 sample"):
@@ -112,22 +115,22 @@ def test_a_sum_of_answers_cannot_isolate_a_sample_either():
     ask(handler, **capped(0, 30))                          # 30 is 10 from 20: a union of 8+ sample blocks
 
 
-def test_a_window_of_fewer_samples_than_the_rule_is_declined_but_from_the_first_sample_first():
+def test_a_window_of_fewer_samples_than_the_rule_is_declined_but_from_the_first_sample_first(tmp_path):
     """A first answer from sample 0 is what a job capping devices at e samples asks (DP with
     max_samples = 1 included): answered; any other small window is declined, first or not."""
     x, y = data()
     with pytest.raises(TaskDeclined, match="boundary at 40 lies 1 sample"):
-        ask(device(x, y), from_sample=39)                 # the last sample alone
-    handler = device(x, y)
+        ask(device(x, y, kept(tmp_path)), from_sample=39)     # the last sample alone
+    handler = device(x, y, kept(tmp_path))
     ask(handler, **capped(0, 1))
     ask(handler, **capped(0, 1))
     with pytest.raises(TaskDeclined, match="boundary at 2 lies 1 sample"):
         ask(handler, **capped(0, 2))                      # [0, 2) less [0, 1): sample 1
 
 
-def test_a_small_devices_first_answer_over_all_its_data_is_answered_and_then_bounds_it():
+def test_a_small_devices_first_answer_over_all_its_data_is_answered_and_then_bounds_it(tmp_path):
     x, y = data(5)
-    handler = device(x, y)
+    handler = device(x, y, kept(tmp_path))
     ask(handler)                                          # all 5 samples: what plain Fed3R shows by design
     ask(handler)
     handler.add_samples(*data(3, seed=1))
@@ -139,12 +142,12 @@ def test_a_small_devices_first_answer_over_all_its_data_is_answered_and_then_bou
     ask(handler, from_sample=5)                           # 5 + 3 + 8 = 16: 11 new since 5
 
 
-def test_honest_streaming_increments_and_caps_are_answered():
+def test_honest_streaming_increments_and_caps_are_answered(tmp_path):
     """Streaming asks [c, n) from its count c (a kept boundary); an increment of fewer than
     MIN_DIFFERENCE new samples is declined until enough have gathered; a DP job's cap is the same
     window every round."""
     x, y = data(12)
-    handler = device(x, y)
+    handler = device(x, y, kept(tmp_path / "streaming"))
     ask(handler, from_sample=0)
     handler.add_samples(*data(3, seed=1))
     with pytest.raises(TaskDeclined, match="lies 3 sample"):
@@ -153,7 +156,7 @@ def test_honest_streaming_increments_and_caps_are_answered():
     ask(handler, from_sample=12)
     ask(handler, from_sample=12)                          # a redelivery of that increment
     assert handler.windows.boundaries == [0, 12, 21]
-    dp = device(*data())
+    dp = device(*data(), kept(tmp_path))
     for _ in range(3):
         ask(dp, **capped(0, 10))                          # DP: [0, 10) each round
     assert dp.windows.boundaries == [0, 10]
@@ -193,29 +196,36 @@ def test_a_window_that_cannot_be_written_down_is_not_answered(tmp_path):
                                   '{"boundaries":[0,NaN]}', '{"boundaries":[0,8.0]}',
                                   '{"boundaries":[' + ",".join(map(str, range(MAX_BOUNDARIES + 1))) + "]}"])
 def test_an_unreadable_file_is_refused_whole_with_a_warning(tmp_path, caplog, text):
+    """Refused whole, and the ledger is lost: every window declined (the first answer from 0 too:
+    tests/test_sample_windows_closed.py), the file left as it is."""
     path = tmp_path / WINDOWS_FILE
     path.write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff" else b"\xff")
+    before = path.read_bytes()
     with caplog.at_level(logging.WARNING, logger="fedfleet.device"):
         ledger = SampleWindowLedger(path)
-    assert ledger.boundaries == [0]
-    assert "sample windows" in caplog.text and "unreadable" in caplog.text
+    assert ledger.lost is not None
+    assert "sample windows" in caplog.text and "unreadable" in caplog.text and str(path) in caplog.text
+    for window in ((0, 40, 40), (0, 1, 40), (0, 8, 40)):
+        assert ledger.record(*window) == ledger.refusal(*window) == LOST_REASON
+    assert path.read_bytes() == before
 
 
 def test_a_fifo_in_the_files_place_does_not_block(tmp_path, caplog):
     path = tmp_path / WINDOWS_FILE
     os.mkfifo(path)
     with caplog.at_level(logging.WARNING, logger="fedfleet.device"):
-        assert SampleWindowLedger(path).boundaries == [0]
+        assert SampleWindowLedger(path).refusal(0, 40, 40) == LOST_REASON
     assert "not a regular file" in caplog.text
 
 
-def test_the_ledger_is_bounded_and_never_forgets():
-    ledger = SampleWindowLedger(min_difference=1)
-    for b in range(1, MAX_BOUNDARIES):
-        assert ledger.record(0, b) is None
+def test_the_ledger_is_bounded_and_never_forgets(tmp_path):
+    # kept by an earlier run (a write per boundary would take the test half a minute)
+    (tmp_path / WINDOWS_FILE).write_text(json.dumps({"boundaries": list(range(MAX_BOUNDARIES - 1))}))
+    ledger = kept(tmp_path, min_difference=1)
+    assert ledger.record(0, MAX_BOUNDARIES - 1, 10**5) is None
     assert len(ledger.boundaries) == MAX_BOUNDARIES
-    assert "its most" in ledger.refusal(0, 10**5)
-    assert ledger.refusal(3, 7) is None            # on kept boundaries: answered
+    assert "its most" in ledger.refusal(0, 10**5, 10**5)
+    assert ledger.refusal(3, 7, 10**5) is None            # on kept boundaries: answered
 
 
 def test_min_difference_is_checked():
@@ -233,7 +243,6 @@ SCRIPT = [(capped(0, 20), True), (capped(0, 21), False), (capped(0, 10), True), 
 def test_the_java_device_keeps_the_same_windows_by_the_same_rule(tmp_path):
     """Both devices get the same tasks, each run by a fresh device on its state folder (a restart
     before every task): the same answers and declines, word for word, and the same file."""
-    import json
     import subprocess
 
     import java_build
@@ -285,7 +294,8 @@ def test_a_curious_aggregators_second_window_is_declined_over_mosquitto(broker, 
                          round_timeout_s=20, expected_devices=1)
     store = Store(tmp_path / "s.db")
     x, y = data(20)
-    _, result = serve_until_done(CuriousJob(config), broker.url, tmp_path, {"dev00": {KIND: device(x, y)}}, store)
+    _, result = serve_until_done(CuriousJob(config), broker.url, tmp_path,
+                                 {"dev00": {KIND: device(x, y, kept(tmp_path / "dev00"))}}, store)
     assert result["state"] == "done" and result["contributed"] == {"dev00": 20}
     events = [e for r in (1, 2) for e in store.round_events(config.job_id, r)]
     assert any("samples [1, 20): a window boundary at 1 lies 1 sample(s) from the boundary 0" in (e["reason"] or "")

@@ -39,7 +39,7 @@ class Fed3RStatsTask:
     whose p needs more is declined before anything is allocated (random_features.dim is the
     aggregator's to choose, up to 100,000: 80 GB of Gram matrix). ``windows``: the windows of
     samples this device answered (kept in its state folder by :func:`edge_client.handlers.device_handlers`;
-    by default in memory, for this task's life)."""
+    by default none: then only windows of all its samples are answered, ``edge_client/sample_windows.py``)."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
                  memory_budget: int = DEFAULT_MEMORY_BUDGET, windows: SampleWindowLedger | None = None):
@@ -71,7 +71,7 @@ class Fed3RStatsTask:
         if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
             images, labels = images[:cap], labels[:cap]
         self._check_memory(task, extractor.feature_dim, rows=len(labels))
-        window = (start, start + len(labels))
+        window = (start, start + len(labels), len(self.images))
         if (reason := self.windows.refusal(*window)) is not None:
             raise TaskDeclined(reason)
         spec = task.random_features

@@ -30,11 +30,13 @@ public final class GoldenWire {
                 Messages.result("dev0001", task.ref, task.kind, r.body, rep("11"), TS + 5), r.tensors, null));
 
         // streaming: the device holds 3 samples the job already has, then the golden ones (an
-        // increment of 3: these bytes check the encoding, so its sample-window rule is the smallest, 1)
+        // increment of 3: these bytes check the encoding, so its sample-window rule is the smallest, 1,
+        // kept in a file under the out dir: a device without a state folder answers no increment)
         Map<String, Object> incrementParams = new LinkedHashMap<>(task.params);
         incrementParams.put("from_sample", BigInteger.valueOf(3));
+        SampleWindows windows = new SampleWindows(out.resolve("golden_" + SampleWindows.NAME).toFile(), 1);
         TaskHandler.Result inc = new Fed3RStatsTask(new AfterOlderSamples(features, 3), new PrecomputedFeatures(features.dim),
-                Fed3RStatsTask.DEFAULT_MEMORY_BUDGET, new SampleWindows(null, 1)).run(incrementParams, taskMsg.tensors);
+                Fed3RStatsTask.DEFAULT_MEMORY_BUDGET, windows).run(incrementParams, taskMsg.tensors);
         write(out, "result_fed3r_increment", Envelope.encode(Messages.result("dev0001",
                 new TaskRef(task.ref.job, 2, task.ref.task), task.kind, inc.body, rep("c2"), TS + 5), inc.tensors, null));
 

@@ -101,7 +101,7 @@ public final class Fed3RStatsTask implements TaskHandler {
                 throw new TaskDeclined("local label " + data.label(i) + " outside the job's " + numClasses + " classes");
         extractor.checkModel(task.model);
         checkMemory(numClasses, extractor.featureDim(), task.fitIntercept, end - start);
-        String refused = windows.refusal(start, end);
+        String refused = windows.refusal(start, end, data.size());
         if (refused != null) throw new TaskDeclined(refused);
         Fed3RAccumulator acc;
         try {
@@ -124,7 +124,7 @@ public final class Fed3RStatsTask implements TaskHandler {
                 }
             }
         }
-        refused = windows.record(start, end);      // written down before the answer goes out
+        refused = windows.record(start, end, data.size());      // written down before the answer goes out
         if (refused != null) throw new TaskDeclined(refused);
         return acc;
     }

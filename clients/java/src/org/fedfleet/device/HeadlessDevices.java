@@ -72,7 +72,8 @@ public final class HeadlessDevices {
             FeatureFile data = FeatureFile.read(d[1]);
             Map<String, TaskHandler> handlers = new LinkedHashMap<>();
             DeviceStateStore state = stateDir == null ? null : store(new java.io.File(stateDir, d[0]), stateBudget);
-            // the windows of samples Fed3R answered: in the device's state folder when it has one
+            // the windows of samples Fed3R answered: in the device's state folder when it has one (without
+            // one the device answers only windows of all its samples: SampleWindows, "unkept")
             SampleWindows windows = state == null ? new SampleWindows()
                     : new SampleWindows(new java.io.File(state.root(), SampleWindows.NAME), SampleWindows.MIN_DIFFERENCE);
             handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim),

@@ -10,13 +10,19 @@
 // minDifference samples. One exception: the device's first answer when it starts at its first
 // sample ([0, e), all its data or its first e under a cap), whatever e.
 //
-// Kept in memory, and in the device's state folder (sample_windows.json, {"boundaries":[0,...]})
-// when it has one: written atomically before the answer leaves the handler; an answer whose window
-// could not be written is declined and its boundaries taken back. Read once: a regular file of at most
-// MAX_FILE_BYTES, strict JSON, strictly ascending integers from 0, at most MAX_BOUNDARIES; anything
-// else is refused whole with a warning (the device starts from {0}). A window that would add a
-// boundary past MAX_BOUNDARIES is declined (a boundary is never forgotten). Not job state:
-// DeviceStateStore.forget() leaves it.
+// Kept in the device's state folder (sample_windows.json, {"boundaries":[0,...]}) and in memory:
+// written atomically before the answer leaves the handler; an answer whose window could not be
+// written is declined and its boundaries taken back. A window that would add a boundary past
+// MAX_BOUNDARIES is declined (a boundary is never forgotten). Not job state: DeviceStateStore.forget()
+// leaves it. It fails closed in two cases, by the Python device's rule and words:
+// Lost: the file is read once; a missing file is a fresh device, any other file that is not a regular
+// file of at most MAX_FILE_BYTES, strict JSON, strictly ascending integers from 0 (at most
+// MAX_BOUNDARIES) makes the ledger lost: a warning naming the file, then every window declined with
+// LOST_REASON, nothing written (the bad file stays for the operator, who repairs it or moves it aside
+// and restarts the device). Starting from {0} instead would exempt a first answer [0, n - 1) again.
+// Unkept (no state folder, path null): only a window of all the device's samples from the first is
+// answered (the same answer after any restart); capped windows of fewer and streaming increments are
+// declined (unkeptReason, naming the missing state folder).
 package org.fedfleet.device;
 
 import java.io.File;
@@ -44,15 +50,21 @@ public final class SampleWindows {
     /** edge_client/sample_windows.py's MAX_FILE_BYTES. */
     public static final int MAX_FILE_BYTES = 96 * 1024;
     private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
+    /** The decline of every window once the kept file could not be read (edge_client/sample_windows.py LOST_REASON). */
+    public static final String LOST_REASON = "this device's sample-window ledger (" + NAME + " in its state folder) could "
+            + "not be read: it answers no Fed3R window until an operator repairs that file or moves it aside and restarts "
+            + "it (a fresh ledger forgets every window this device answered)";
 
     private final File path;
     private final int minDifference;
     private TreeSet<Long> boundaries = new TreeSet<>();
+    /** Why the kept file could not be read (then no window is answered), or null. */
+    private String lost;
 
-    /** In memory only, the default rule. */
+    /** No state folder (only windows of all the device's samples are answered), the default rule. */
     public SampleWindows() { this(null, MIN_DIFFERENCE); }
 
-    /** path: where the windows are kept (null: in memory only). */
+    /** path: where the windows are kept (null: no state folder, only windows of all the device's samples). */
     public SampleWindows(File path, int minDifference) {
         if (minDifference < 1) throw new IllegalArgumentException("minDifference must be >= 1, got " + minDifference);
         this.path = path;
@@ -63,8 +75,19 @@ public final class SampleWindows {
 
     public synchronized List<Long> boundaries() { return new ArrayList<>(boundaries); }
 
-    /** Why the window [start, end) of the device's samples may not be answered, or null. */
-    public synchronized String refusal(long start, long end) {
+    /** Why the kept file could not be read (every window is then declined), or null. */
+    public synchronized String lost() { return lost; }
+
+    /** The decline of a window that is not all of a device's samples, on a device without a state folder. */
+    static String unkeptReason(long start, long end, long samples) {
+        return "samples [" + start + ", " + end + ") of " + samples + ": this device has no state folder (--state-dir) to "
+                + "keep the windows it answered across a restart, so it answers only a window of all its samples from the first";
+    }
+
+    /** Why the window [start, end) of the device's `samples` samples may not be answered, or null. */
+    public synchronized String refusal(long start, long end, long samples) {
+        if (lost != null) return LOST_REASON;
+        if (path == null && (start != 0 || end != samples)) return unkeptReason(start, end, samples);
         List<Long> fresh = new ArrayList<>();
         if (!boundaries.contains(start)) fresh.add(start);
         if (!boundaries.contains(end)) fresh.add(end);
@@ -86,8 +109,8 @@ public final class SampleWindows {
     }
 
     /** Keep [start, end) as answered (checked again) and write it down; why the answer may not go out, or null. */
-    public synchronized String record(long start, long end) {
-        String reason = refusal(start, end);
+    public synchronized String record(long start, long end, long samples) {
+        String reason = refusal(start, end, samples);
         if (reason != null) return reason;
         if (boundaries.contains(start) && boundaries.contains(end)) return null;
         TreeSet<Long> before = boundaries;
@@ -112,13 +135,19 @@ public final class SampleWindows {
 
     private void load() {
         try {
-            if (!path.exists()) return;
-            if (!path.isFile()) throw new IOException("not a regular file");     // a FIFO would block the open
+            java.nio.file.attribute.BasicFileAttributes kind;
+            try {      // only a missing file is a fresh device (File.exists() is false for an unreadable folder too)
+                kind = java.nio.file.Files.readAttributes(path.toPath(), java.nio.file.attribute.BasicFileAttributes.class);
+            } catch (java.nio.file.NoSuchFileException e) {
+                return;
+            }
+            if (!kind.isRegularFile()) throw new IOException("not a regular file");     // a FIFO would block the open
             boundaries = checked(Json.parseHeader(read()));
         } catch (IOException | Json.JsonError | IllegalArgumentException e) {
             String why = String.valueOf(e.getMessage());
-            LOG.warning("the device's sample windows " + path + " are unreadable (" + why.substring(0, Math.min(200, why.length()))
-                    + "): starting without them");
+            lost = why.substring(0, Math.min(200, why.length()));      // the file stays as it is, for the operator
+            LOG.warning("the device's sample windows " + path + " are unreadable (" + lost
+                    + "): no Fed3R window is answered until the file is repaired or moved aside");
         }
     }
 
