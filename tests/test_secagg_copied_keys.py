@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from protocols.secagg import AggregateReady, ClientState, Phase, ReplayedMessage, ServerState, UnexpectedMessage
-from test_secagg_adversarial import Round, resign, wire
+from secagg_rounds import Round, resign, wire
 
 
 def _copying(r: Round, copier: str, owner: str, which: str):

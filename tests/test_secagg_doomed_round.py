@@ -24,7 +24,7 @@ from protocols.secagg import (AggregateReady, ClientSecAgg, Phase, RoundConfig,
                               RoundFailed)
 from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
 
-from test_secagg_adversarial import corrupting
+from secagg_rounds import corrupting
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
 BOUND = 10.0

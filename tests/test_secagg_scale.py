@@ -293,7 +293,7 @@ def test_a_group_in_one_process_checks_each_advertisement_and_builds_its_graph_o
     """24 members of a SecAgg+ group (degree 6) in one process: each member's signed key
     advertisement is verified once, not once per neighbour, and the graph is built once; the sum
     is exact. The cached check refuses keys or a signer other than the advertisement's
-    (a client refusing such a directory entry: test_secagg_adversarial.py)."""
+    (a client refusing such a directory entry: test_secagg_advertised_keys.py)."""
     from protocols.secagg.client import advertisement_valid
     from protocols.secagg.derivation import RoundContext
     from protocols.secagg.graph import _random_regular

@@ -13,7 +13,7 @@ from protocols.identity import DeviceIdentity
 from protocols.secagg import AggregateReady, MaskedInput, RoundConfig, RoundFailed, ShareAccusation
 from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
 
-from test_secagg_adversarial import corrupting
+from secagg_rounds import corrupting
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
 

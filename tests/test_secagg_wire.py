@@ -158,7 +158,7 @@ def one_of_each_message():
               dropouts={config.members[0]: Phase.MASKED_INPUT}, intercept=keep)
     seen[RoundAborted] = RoundAborted(job_id="j", round_id=1, group_id="g", sender="aggregator", recipient="x",
                                       reason="too few")
-    accuser = config.members[1]         # (tests/test_secagg_adversarial.py runs the accusations)
+    accuser = config.members[1]         # (tests/test_secagg_share_accusations.py runs the accusations)
     seen[ShareAccusation] = ShareAccusation(job_id="j", round_id=1, group_id="g", sender=accuser,
                                             recipient="aggregator", accused=(config.members[2],)
                                             ).signed(identities[accuser])

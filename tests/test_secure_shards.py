@@ -489,7 +489,7 @@ def _group_with_a_copied_key(start, on_protocol, keys, vectors, owner, copier, n
     key (signed by itself), after the owner, and then goes silent."""
     from protocols.payloads.secagg import from_envelope, to_envelope
     from protocols.secagg import ClientSecAgg
-    from test_secagg_adversarial import resign
+    from secagg_rounds import resign
 
     clients, adverts = {}, {}
     for device, env in start:
