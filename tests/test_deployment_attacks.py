@@ -1,5 +1,5 @@
 """Rollouts against an attacker (issue 37), over a real mosquitto, with the controller and the
-followers of ``test_deployment_rollout.py``:
+followers of ``deployment_fleet.py``:
 
 * replay: a validly signed assignment and head of an older version, captured while it rolled
   out and republished after a newer one, are refused (stale sequence) and the device keeps the
@@ -25,7 +25,7 @@ from protocols.envelope import Envelope, decode, encode
 from protocols.message_loop import MESSAGE_OVERHEAD_BYTES, QueueBound
 from protocols.payloads import deployment as D
 from test_broker_security import secured  # noqa: F401 (fixture)
-from test_deployment_rollout import N_HOLDOUT, D_sha, correct, model_id, setup, store_state, world  # noqa: F401
+from deployment_fleet import N_HOLDOUT, D_sha, correct, model_id, setup, store_state, world  # noqa: F401
 from ops_fleet import wait_for
 
 

@@ -18,7 +18,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 
 from ops_fleet import REPO, aggregator_cmd, aggregator_env, prepare
-from test_deployment_rollout import D_sha, model_id, world  # noqa: F401  (the module fixture)
+from deployment_fleet import D_sha, model_id, world  # noqa: F401  (the module fixture)
 
 DEVICES = [f"cam-{i}" for i in range(4)]
 CANARY = ["cam-0", "cam-1"]
