@@ -1,21 +1,26 @@
 """The deployment tests' fleet over a real mosquitto (tests/test_deployment_*.py): the held-out world
 (class means, each device's held-out features, a good head and the same head with its classes
 permuted), a store with the fleet enrolled, a deployment controller beside it and devices following
-their retained assignment (``setup``), and the references the tests compare with."""
+their retained assignment (``setup``), and the references the tests compare with. For the attacks:
+a sniffer on the broker path that records and republishes, a device that lies in its reports, and
+the rollout steps several attack tests start from (two versions, one settled, a tagged canary)."""
 
 import hashlib
 import time
 
 import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
 
 from aggregator.deployments.controller import DeploymentController
 from aggregator.storage.store import Store
 from edge_client.deployment import DeploymentFollower, ModelSlot
+from protocols.envelope import Envelope, decode
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads import deployment as D
 from protocols.topics import AGGREGATOR_ID, Topics
+from ops_fleet import wait_for
 
 C, DIM, N_HOLDOUT = 3, 8, 40
 DEVICES = [f"cam-{i}" for i in range(6)]
@@ -96,3 +101,89 @@ def store_state(store, deployment_id):
 
 def D_sha(head):
     return hashlib.sha256(D.head_npz(*head)).hexdigest()
+
+
+class Sniffer:
+    """Anyone on the broker path: records what is published on the topics it reads, republishes at will."""
+
+    def __init__(self, broker, topics):
+        self.seen: dict[str, list[bytes]] = {}
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"sniffer-{time.monotonic_ns()}")
+        self.client.on_message = lambda c, u, m: self.seen.setdefault(m.topic, []).append(bytes(m.payload))
+        self.client.connect("127.0.0.1", broker.port)
+        self.client.loop_start()
+        for t in topics:
+            self.client.subscribe(t, qos=1)
+
+    def run(self, topics, device: str, deployment: str) -> bytes:
+        """The signed ``run`` assignment of ``deployment`` it saw sent to ``device``."""
+        return next(p for p in self.seen[topics.deploy(device)]
+                    if decode(p).body.get("deployment") == deployment and decode(p).body.get("action") == "run")
+
+    def head(self, topics, device: str, deployment: str) -> bytes:
+        """The head file of ``deployment`` it saw sent to ``device``."""
+        return next(p for p in self.seen[topics.deploy_in(device)] if decode(p).body.get("name") == f"{deployment}.npz")
+
+    def publish(self, topic, payload, retain=False):
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(5)
+
+    def close(self):
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def two_versions(store, world) -> tuple[tuple[int, int], tuple[str, str]]:
+    """Models v1 and v2, heads of the same argmax and other bytes: ((their ids), (their sha256s))."""
+    W, b = world["good"]
+    return ((model_id(store, "v1", W, b), model_id(store, "v2", W * 1.5, b * 1.5)),
+            (D_sha((W, b)), D_sha((W * 1.5, b * 1.5))))
+
+
+def forget_session(broker, device: str) -> None:
+    """``device``'s broker session gone (past its expiry, a broker without persistence): what was
+    queued for it is lost, only retained messages reach it."""
+    session = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{device}.deploy", clean_session=True)
+    session.connect("127.0.0.1", broker.port)
+    session.disconnect()
+
+
+def settle(ctl, store, fleet, model: int, sha: str, deployment_id: str = "v1") -> None:
+    """``model`` rolled out to cam-0 and cam-1 and complete: the settled version."""
+    ctl.call(lambda: ctl.deploy(model, cohort="devices:cam-0,cam-1", stages="100%", bake_s=0, min_reports=2,
+                                deployment_id=deployment_id))
+    wait_for(lambda: store_state(store, deployment_id) == "complete" and fleet.sha("cam-0") == fleet.sha("cam-1") == sha,
+             what=f"{deployment_id} settled on both devices")
+
+
+def settled_on_v1(setup, world):
+    """cam-0 and cam-1 started, a controller, v1 settled on both (``settle``): (the controller,
+    (v1, v2) model ids, their sha256s)."""
+    store, controller, fleet = setup
+    versions, shas = two_versions(store, world)
+    for d in ("cam-0", "cam-1"):
+        fleet.start(d)
+    ctl = controller()
+    settle(ctl, store, fleet, versions[0], shas[0])
+    return ctl, versions, shas
+
+
+def tagged_canary(ctl, store, fleet, model: int, sha: str, deployment_id: str = "v2") -> None:
+    """cam-0 tagged ``lab`` and ``model`` in a ``tags:lab`` canary baking for an hour, judged on cam-0."""
+    store.set_device_tags("cam-0", ["lab"])
+    ctl.call(lambda: ctl.deploy(model, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id=deployment_id))
+    wait_for(lambda: fleet.sha("cam-0") == sha and ctl.show(deployment_id)["devices"]["cam-0"]["report"] is not None,
+             what="the candidate judged on the tagged device")
+
+
+class LyingFollower(DeploymentFollower):
+    """An enrolled device that evaluates honestly, then reports what it likes: ``lie`` "inflate"
+    (the candidate is perfect, its current head useless) or "deflate" (the other way round)."""
+    lie = None
+
+    def _report(self, env):
+        if self.lie and "n" in env.body:
+            big = 10 ** 9
+            body = {**env.body, "n": big, "correct_candidate": big if self.lie == "inflate" else 0,
+                    "correct_current": 0 if self.lie == "inflate" else big}
+            env = Envelope(type=env.type, sender=env.sender, body=body)
+        super()._report(env)

@@ -22,7 +22,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.fed3r import Fed3RStatsParams
 from protocols.payloads.task_params import ModelSpec
 from protocols.topics import AGGREGATOR_ID, Topics
-from test_deployment_attacks import Sniffer
+from deployment_fleet import Sniffer
 from ops_fleet import wait_for
 
 T = Topics()

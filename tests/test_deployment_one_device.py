@@ -1,5 +1,5 @@
 """What one enrolled device can no longer do to a rollout (a review's attacks), over a real
-mosquitto with the controller and followers of ``deployment_fleet.py``:
+mosquitto with the controller and followers of ``tests/deployment_fleet.py``:
 
 * freeze every rollout with a malformed profile (tags that are a number): presence refuses it,
   and the controller reads no profile (a tags: cohort reads the tags the operator gave);
@@ -22,8 +22,7 @@ from protocols import messages as M
 from protocols.chunking import CHUNK_TYPE
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.payloads.artifacts import get_message
-from test_deployment_attacks import LyingFollower, Sniffer
-from deployment_fleet import D_sha, model_id, setup, store_state, world  # noqa: F401
+from deployment_fleet import D_sha, LyingFollower, Sniffer, model_id, setup, store_state, world  # noqa: F401
 from ops_fleet import wait_for
 
 CANARY3 = "devices:cam-0,cam-1,cam-2"

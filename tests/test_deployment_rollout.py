@@ -20,7 +20,7 @@ import numpy as np
 
 from edge_client.deployment import ModelSlot
 from ops_fleet import wait_for
-from deployment_fleet import DEVICES, N_HOLDOUT, D_sha, correct, model_id, store_state
+from deployment_fleet import DEVICES, N_HOLDOUT, D_sha, Sniffer, correct, model_id, store_state
 from deployment_fleet import setup, world  # noqa: F401 (fixtures)
 
 
@@ -99,8 +99,6 @@ def test_the_running_head_deployed_anew_is_judged_once_and_comes_from_the_new_de
     """A review's finding: the device kept the running head's old deployment name, so every
     re-delivery of the new deployment's retained assignment (each reconnect) judged it on the
     held-out split and reported again, and the new deployment's rollback did not revert it."""
-    from test_deployment_attacks import Sniffer
-
     store, controller, fleet = setup
     W, b = world["good"]
     mid = model_id(store, "g", W, b)

@@ -55,7 +55,7 @@ from protocols.payloads.fed3r import Fed3RStatsParams
 from protocols.payloads.task_params import ModelSpec
 from protocols.topics import AGGREGATOR_ID, Topics
 from test_agent_unsendable import answers
-from test_deployment_attacks import Sniffer
+from deployment_fleet import Sniffer
 
 T = Topics()
 D = 64                          # the devices' feature dimension

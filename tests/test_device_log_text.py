@@ -36,7 +36,7 @@ from protocols.envelope import encode
 from protocols.log_text import MAX_RECORD_CHARS, escaped_controls, log_to_stderr
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import AGGREGATOR_ID, Topics
-from test_deployment_attacks import Sniffer
+from deployment_fleet import Sniffer
 from test_device_hostile_tasks import Features, ask, fed3r_task, java_devices, local_data, online, write_features
 
 T = Topics()

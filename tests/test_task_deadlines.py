@@ -25,7 +25,7 @@ from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import AGGREGATOR_ID, Topics
 from test_agent_unsendable import fed3r_params, handlers
-from test_deployment_attacks import Sniffer
+from deployment_fleet import Sniffer
 from test_java_device import fleet_data, write_features
 
 T = Topics()

@@ -27,7 +27,7 @@ from protocols.payloads.task_params import ModelSpec
 from protocols.device_session import EXPIRED_AT_WORK_DECLINE
 from protocols.topics import AGGREGATOR_ID, Topics
 from test_agent_unsendable import Features, fed3r_params, handlers
-from test_deployment_attacks import Sniffer
+from deployment_fleet import Sniffer
 from test_java_device import write_features
 from test_task_deadlines import AGG, answers
 
