@@ -115,7 +115,7 @@ def test_a_device_keeps_the_bundle_it_holds_and_fetches_again_what_the_budget_re
     from fedfleet.device import FetchedBundles
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
-    from test_artifact_distribution import serve
+    from artifact_serving import serve
 
     import aggregator.service.artifacts as shelf_module
 
