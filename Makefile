@@ -52,7 +52,7 @@ test: setup
 # representative ones: the others take the same paths, and minutes CI's two cores lack)
 test-ray: setup
 	FEDFLEET_RAY_ALL=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder \
-	    tests/test_shards.py tests/test_shard_rounds.py tests/test_secure_shards.py tests/test_secure_ladd_shards.py \
+	    tests/test_shards.py tests/test_shard_rounds.py tests/test_secure_shards_*.py tests/test_secure_ladd_shards.py \
 	    tests/test_shard_signatures.py
 
 # a fresh seed each run (the suite's is fixed); rerun a failure with the seed it printed

@@ -6,6 +6,10 @@ import sys
 
 import pytest
 
+# Helper modules whose asserts compare what tests compare: rewritten as the test modules are, so a
+# failure shows both sides (registered before any test module imports them).
+pytest.register_assert_rewrite("secagg_rounds", "secure_shard_runs")
+
 from ray_cluster import SharedCluster
 from shared_build import build_once, run_folder
 
@@ -27,7 +31,9 @@ privacy._accounting()
 INTEGRATION_FIXTURES = frozenset({"broker", "mobilenet_bundle_32px", "tail_bundle", "onnx_bundle_32px",
                                   "ray_test_cluster"})
 STARTS_SOMETHING = re.compile(r"subprocess\.|MosquittoBroker\(|java_build|two_node_ray_cluster|second_broker|"
-                              r"export_bundle\(|chromium|EmulatedFleet|serve_until_done|from export.cli import")
+                              r"export_bundle\(|chromium|EmulatedFleet|serve_until_done|from export.cli import|"
+                              # tests/secure_shard_runs.py's: a broker and one aggregator's and two shards' runs
+                              r"run_secure\(|one_and_sharded\(|check_secure_rounds\(")
 # Tests in otherwise fast files that export a program, train on a real backbone or spawn workers
 # (file::test, every parametrisation; "[prefix" narrows to those whose parameters start so).
 INTEGRATION_TESTS = (
@@ -87,7 +93,7 @@ def _slow_files_first(items):
 # (marked ``ray_cluster``) run on one xdist worker, one after the other, and that worker starts one
 # cluster for them all (each file starting its own cost a cluster's start and stop, and a worker
 # idle at the cluster lock while another file's cluster ran).
-RAY_CLUSTER_FILES = frozenset({"test_shards.py", "test_fleet_ray.py", "test_secure_shards.py"})
+RAY_CLUSTER_FILES = frozenset({"test_shards.py", "test_fleet_ray.py", "test_secure_shards_ray.py"})
 _RAY = SharedCluster()
 
 

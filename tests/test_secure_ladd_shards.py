@@ -30,7 +30,7 @@ from protocols.payloads.secagg import SECAGG_TYPE, SECURE_LADD_KIND, ClusterSlot
 from ops_fleet import Fleet, SecureKeys, run_aggregator, with_secure, write_job
 from test_ladd_secure import DroppingSessions
 from shard_runs import ON_RAY, RAY_ALL_ONLY, shard_options
-from test_secure_shards import assert_same_bytes, outputs
+from secure_shard_runs import assert_same_bytes, outputs
 
 SPEC = SegmentationSpec(num_classes=len(CLASSES), image_size=32, head_channels=8)
 BENCH = make_benchmark(seed=0, image_size=32, n_source=1, target_domains=("night", "fog"), devices_per_domain=3,
