@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import http.client
 import json
 import os
 import re
@@ -92,9 +93,19 @@ class AdminClient:
             raise AdminError(f"{method} {path}: HTTP {exc.code}: {error_detail(exc.read(MAX_ERROR_BYTES + 1))}") from None
         except urllib.error.URLError as exc:
             raise AdminError(f"cannot reach the admin API at {self.url}: {exc.reason}") from None
+        except http.client.HTTPException as exc:
+            # no OSError, so urllib lets it through: a --url naming another service (an SSH banner's
+            # BadStatusLine) or a connection cut inside a chunked answer (IncompleteRead)
+            raise AdminError(f"{method} {path}: {self.url} did not answer as an HTTP server "
+                             f"({type(exc).__name__}: {one_line(exc, 200)})") from None
         if len(payload) > MAX_ANSWER_BYTES:
             raise AdminError(f"{method} {path}: the answer is larger than {MAX_ANSWER_BYTES} bytes: not read")
-        return payload if raw else json.loads(payload)
+        if raw:
+            return payload
+        try:
+            return json.loads(payload)
+        except RecursionError:          # nested thousands deep: json raises no ValueError for that
+            raise AdminError(f"{method} {path}: the answer is nested deeper than JSON is read here") from None
 
     def get(self, path: str, raw: bool = False):
         return self.request("GET", path, raw=raw)
@@ -537,9 +548,10 @@ def run_admin(args) -> int:
     except (AdminError, OSError, ValueError) as exc:
         print(f"fedfleet admin: {terminal_safe(str(exc))}", file=sys.stderr)   # its parts one_line'd already
         return 1
-    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+    except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as exc:
         # an answer of another shape than this CLI renders: another version's API, or no admin API at
-        # all at --url. One line that says so, not a traceback.
+        # all at --url (OverflowError: a time past what time.localtime shows). One line that says so,
+        # not a traceback.
         print(f"fedfleet admin: {args.url} answered in a shape this fedfleet does not read "
               f"({type(exc).__name__}: {one_line(exc, 200)}); is it this version's admin API?", file=sys.stderr)
         return 1

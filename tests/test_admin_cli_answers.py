@@ -105,3 +105,46 @@ def test_an_answer_of_another_shape_is_one_line_not_a_traceback(server, capsys, 
     rc, err = admin_status(server, capsys)
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "answered in a shape this fedfleet does not read" in err
+
+
+def test_an_answer_nested_past_what_json_reads_is_one_line_not_a_traceback(server, capsys):
+    """json.loads raises RecursionError (no ValueError) on an answer nested thousands deep."""
+    server.answer = (200, b"[" * 5000 + b"]" * 5000)
+    rc, err = admin_status(server, capsys)
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("fedfleet admin: GET /api/status: "), err
+
+
+@pytest.mark.parametrize("when", [1e300, -1e300], ids=["far-future", "far-past"])
+def test_a_time_past_what_the_clock_shows_is_one_line_not_a_traceback(server, capsys, when):
+    """time.localtime raises OverflowError (no ValueError) on a time of 1e300 s: a job's dates, a log line's."""
+    server.answer = (200, json.dumps({"job_id": "j1", "kind": "fed3r", "state": "done", "rounds": 1,
+                                      "contributions": 1, "created_at": when}).encode())
+    rc = main(["job", "show", "j1", "--url", f"http://127.0.0.1:{server.server_port}", "--token", "t"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "answered in a shape this fedfleet does not read" in err, err
+
+
+def test_a_url_that_is_no_http_server_is_one_line_not_a_traceback(capsys):
+    """A mistyped --url naming another service (an SSH port's banner): http.client's BadStatusLine
+    is no OSError, so urllib passed it through."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def banner():
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            conn.recv(65536)
+
+    thread = threading.Thread(target=banner, daemon=True)
+    thread.start()
+    try:
+        rc = main(["status", "--url", f"http://127.0.0.1:{listener.getsockname()[1]}", "--token", "t"])
+    finally:
+        thread.join(5)
+        listener.close()
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "did not answer as an HTTP server" in err and "SSH-2.0" in err, err
