@@ -11,8 +11,10 @@ is the torch-free device (numpy's head step). Imports nothing from ``aggregator`
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
+import tempfile
 
 import numpy as np
 
@@ -76,10 +78,10 @@ def run_secure(kind: str, msg, Z: np.ndarray, y: np.ndarray, rest: list[str], re
     if kind in SECURE_STATEFUL:
         make = SecureScaffoldTraining if kind == "scaffold.head.secure" else SecureFedAvgTraining
         plain = handler_for(SECURE_STATEFUL[kind], Z, y, rest[1:])
+    elif kind == "fedavg.secure":
+        make, plain = SecureFedAvgTraining, HeadTrainingTask(Z, y, factory)
     else:
-        make, plain_type = ((SecureFedAvgTraining, HeadTrainingTask) if kind == "fedavg.secure"
-                            else (SecureFed3R, Fed3RStatsTask))
-        plain = plain_type(Z, y, factory)
+        make, plain = SecureFed3R, Fed3RStatsTask(Z, y, factory, windows=fresh_windows())
     handler = make(identity, aggregator_key, plain, noise_rng=ZeroSkellam())
     try:
         handler.on_task(msg.body["job"], msg.body["round"], msg.body["params"], dict(msg.tensors))
@@ -100,6 +102,24 @@ def run_secure(kind: str, msg, Z: np.ndarray, y: np.ndarray, rest: list[str], re
 
 
 STORES: dict[str, tuple] = {}      # the last case's state folder -> (budget, its store)
+
+
+_WINDOWS = itertools.count()
+
+
+@functools.cache
+def _windows_folder() -> tempfile.TemporaryDirectory:
+    # kept (cached) for the process's life, removed at its end by the object's finalizer
+    return tempfile.TemporaryDirectory(prefix="fuzz-sample-windows-")
+
+
+def fresh_windows():
+    """A fresh device's kept sample-window ledger, one per case: a device without a state folder
+    answers only all its samples (edge_client/sample_windows.py), and a DP case's cap would be
+    declined by every device alike, compared nowhere (tests/test_fuzz_capped_fed3r.py)."""
+    from edge_client.sample_windows import SampleWindowLedger
+
+    return SampleWindowLedger(f"{_windows_folder().name}/{next(_WINDOWS)}.json")
 
 
 def handler_for(kind: str, Z: np.ndarray, y: np.ndarray, rest: list[str]):

@@ -132,6 +132,17 @@ public final class TaskRunner {
         return printed.toString();
     }
 
+    /** A fresh device's kept sample windows, one per case (tests/fuzz_device.py fresh_windows): without a
+     *  state folder a device answers only all its samples, so a DP case's cap would be declined by every
+     *  device alike and compared nowhere (tests/test_fuzz_capped_fed3r.py). Removed when the JVM ends. */
+    static SampleWindows freshWindows() throws java.io.IOException {
+        java.io.File folder = Files.createTempDirectory("fuzz-sample-windows-").toFile();
+        java.io.File file = new java.io.File(folder, SampleWindows.NAME);
+        folder.deleteOnExit();          // deleted in the reverse order: the file, then its folder
+        file.deleteOnExit();
+        return new SampleWindows(file, SampleWindows.MIN_DIFFERENCE);
+    }
+
     /** A secure kind in the batch (args: task, features, result, round config JSON[, held-out
      *  features or "-", state folder] for scaffold.head.secure and ditto.head.secure): the vector the
      *  device would mask (float64 LE to result + ".vector") and the words SecAgg masks, its fixed-point
@@ -153,7 +164,8 @@ public final class TaskRunner {
                     : SecureStatefulHeadTask.ditto(new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store), zeroNoise());
         } else {
             secure = task.kind.equals(SecureFedAvgTask.KIND) ? new SecureFedAvgTask(head, zeroNoise())
-                    : new SecureFed3RTask(new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim)), zeroNoise());
+                    : new SecureFed3RTask(new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim),
+                            Fed3RStatsTask.DEFAULT_MEMORY_BUDGET, freshWindows()), zeroNoise());
         }
         double[] v;
         try {
