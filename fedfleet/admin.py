@@ -90,7 +90,11 @@ class AdminClient:
             with self.opener.open(req, timeout=self.timeout) as resp:
                 payload = resp.read(MAX_ANSWER_BYTES + 1)
         except urllib.error.HTTPError as exc:
-            raise AdminError(f"{method} {path}: HTTP {exc.code}: {error_detail(exc.read(MAX_ERROR_BYTES + 1))}") from None
+            try:
+                detail = error_detail(exc.read(MAX_ERROR_BYTES + 1))
+            except (OSError, http.client.HTTPException) as cut:     # the body cut short: said, not raised
+                detail = f"(its body unread: {type(cut).__name__})"
+            raise AdminError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
         except urllib.error.URLError as exc:
             raise AdminError(f"cannot reach the admin API at {self.url}: {exc.reason}") from None
         except http.client.HTTPException as exc:

@@ -148,3 +148,30 @@ def test_a_url_that_is_no_http_server_is_one_line_not_a_traceback(capsys):
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "did not answer as an HTTP server" in err and "SSH-2.0" in err, err
+
+
+@pytest.mark.parametrize("status", [200, 500], ids=["answer", "error-body"])
+def test_a_chunked_answer_cut_short_is_one_line_not_a_traceback(capsys, status):
+    """A connection closed inside a chunk: http.client's IncompleteRead, in the answer or in an
+    error's body (read in the HTTPError handler, where the handler beside it does not catch it)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def cut():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+                         "Transfer-Encoding: chunked\r\n\r\n40\r\n{\"detail\": \"cut".encode())
+
+    thread = threading.Thread(target=cut, daemon=True)
+    thread.start()
+    try:
+        rc = main(["status", "--url", f"http://127.0.0.1:{listener.getsockname()[1]}", "--token", "t"])
+    finally:
+        thread.join(5)
+        listener.close()
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "IncompleteRead" in err, err
