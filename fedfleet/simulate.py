@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from .errors import UserError
 from .sim_config import SimConfig
 from .progress import StatusWatcher
 from .simulate_report import format_report, job_report
+
+DEVICE_STATE = "device_state"     # <out>/device_state/<device id>: each emulated device's own store
 
 
 def _load(cfg: SimConfig):
@@ -129,7 +132,7 @@ class EmulatedFleet:
                 "cache_dir": cfg.cache_dir, "runtime": cfg.runtime, "threads": threads,
                 # each device's own store, <state_dir>/<device id>: its per-job state and its Fed3R sample
                 # windows (without one a device declines DP caps and streaming: edge_client/sample_windows.py)
-                "state_dir": str(out / "device_state"),
+                "state_dir": str(out / DEVICE_STATE),
                 "step_threads": cfg.host_threads, "keepalive_s": cfg.keepalive_s,
                 "retry_after_s": cfg.retry_after_s, "stats_file": str(out / f"worker{w}.json"),
                 "secure": None if self.secure is None else {
@@ -254,6 +257,10 @@ def prepare(cfg: SimConfig, say) -> Prepared:
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # a fresh fleet each run: an earlier run's device stores in the same --out (kept job state, Fed3R
+    # sample windows) describe another fleet's data, and this run's devices would decline windows
+    # near the old ones or load another job's state
+    shutil.rmtree(out / DEVICE_STATE, ignore_errors=True)
     Xtr, ytr, train_idx, Xte, yte = _load(cfg)
     parts = make_split(cfg.split, ytr[train_idx], cfg.devices, cfg.seed, **split_params(cfg))
     profiles = sample_profiles(cfg.devices, cfg.seed, slowdown=cfg.slowdown, bandwidth_bps=cfg.bandwidth_bps,
