@@ -228,8 +228,8 @@ def test_arm64_x86_and_java_devices_run_fed3r_and_fedavg_psi(bundle, broker, tmp
     for dev in ARM64:       # the rootfs's own fedfleet (build_rootfs.sh installed this tree's wheel)
         devices.start(dev, [str(ARM64_PYTHON), ARM64_ROOTFS, str(tmp_path),
                             *python_device_argv(dev, data[dev], broker, tmp_path)])
-    java = ["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
-            "--retry-after", "2", "--tick", "0.1"]
+    java = java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices", "--broker",
+                                   broker.url, "--retry-after", "2", "--tick", "0.1")
     for dev in JAVA:
         java += ["--device", dev, str(tmp_path / f"{dev}.feat"), "-"]
     devices.start("java", java)

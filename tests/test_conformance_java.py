@@ -97,8 +97,9 @@ def java_run(tmp_path_factory):
     (tmp / "canonical.jsonl").write_bytes(canonical_lines())
     seed = os.urandom(32)
     pub = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
-    proc = subprocess.run(["java", "-cp", cp, "Main", str(GOLDEN), "--signed", str(tmp / "signed.bin"), pub,
-                           "--canonical", str(tmp / "canonical.jsonl"), "--prg", seed.hex(), str(PRG_WORDS)],
+    proc = subprocess.run(java_build.java_command("-cp", cp, "Main", str(GOLDEN), "--signed", str(tmp / "signed.bin"),
+                                                  pub, "--canonical", str(tmp / "canonical.jsonl"), "--prg",
+                                                  seed.hex(), str(PRG_WORDS)),
                           capture_output=True, text=True, timeout=120)
     return {"proc": proc, "lines": proc.stdout.splitlines(), "seed": seed, "signed_tensors": signed_tensors}
 

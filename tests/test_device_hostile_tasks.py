@@ -75,8 +75,9 @@ def write_features(path: Path, Z: np.ndarray, y: np.ndarray) -> Path:
 
 
 def java_devices(broker, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(["java", "-Xmx128m", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
-                             "--stop-on-stdin-eof", "--broker", broker.url, "--tick", "0.1", *args],
+    return subprocess.Popen(java_build.java_command("-Xmx128m", "-cp", java_build.built(),
+                                                    "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof",
+                                                    "--broker", broker.url, "--tick", "0.1", *args),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -212,8 +213,9 @@ def test_the_java_follower_keeps_the_latest_refusals_of_a_flood_each_cut(broker,
 
     Z, y = local_data()
     topics = Topics(f"f{time.monotonic_ns()}")
-    proc = subprocess.Popen(["java", "-cp", java_build.built(), "FollowerRunner", broker.url, "jcam", topics.root, "-",
-                             str(tmp_path / "slot"), str(write_features(tmp_path / "held.feat", Z, y))],
+    proc = subprocess.Popen(java_build.java_command("-cp", java_build.built(), "FollowerRunner", broker.url, "jcam",
+                                                    topics.root, "-", str(tmp_path / "slot"),
+                                                    str(write_features(tmp_path / "held.feat", Z, y))),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     logged: list[str] = []
     reader = threading.Thread(target=lambda: logged.extend(proc.stderr), daemon=True)

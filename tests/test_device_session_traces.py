@@ -52,7 +52,8 @@ def test_the_traces_fire_every_device_row_in_every_state_it_names():
 
 @pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 def test_java_answers_every_event_as_recorded():
-    proc = subprocess.run(["java", "-cp", java_build.built(), "org.fedfleet.device.SessionTraces", *map(str, TRACES)],
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.SessionTraces",
+                                                  *map(str, TRACES)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = {line["trace"]: line for line in map(json.loads, proc.stdout.splitlines())}
@@ -123,8 +124,8 @@ def test_java_recalls_and_refuses_session_memories_as_python_does(now):
     clock, the same starts in its future forgotten."""
     base, taken, refused = session_memories()
     lines = [json.dumps(base), *map(json.dumps, taken + refused), '{"version": 1, "started": [', "{'version': 1}"]   # torn, not JSON
-    proc = subprocess.run(["java", "-cp", java_build.built(), "org.fedfleet.device.SessionTraces", "--recall",
-                           *([] if now is None else [repr(now)])],
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.SessionTraces",
+                                                  "--recall", *([] if now is None else [repr(now)])),
                           input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     java = proc.stdout.splitlines()
@@ -281,8 +282,9 @@ def test_both_devices_read_the_same_session_files_alike(tmp_path, caplog):
     the file whole with one warning; a missing file is no warning. One JVM reads every file."""
     files = [*session_files(), ("missing", "missing", False)]
     paths = lay_out(tmp_path, files[:-1]) + [tmp_path / "absent.json"]
-    proc = subprocess.run(["java", "-cp", java_build.built(), "org.fedfleet.device.SessionTraces", "--load-file",
-                           repr(NOW), *map(str, paths)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.SessionTraces",
+                                                  "--load-file", repr(NOW), *map(str, paths)),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     java = proc.stdout.splitlines()
     assert len(java) == len(paths)
@@ -305,8 +307,9 @@ def test_java_says_a_failed_write_once_and_tries_it_again_only_at_the_next_chang
     kind of error (not per temporary file named), no retry every tick; what it writes at the next
     change the Python device reads."""
     (tmp_path / "session.json").mkdir()         # the rename over it fails, after the temp file is written
-    proc = subprocess.run(["java", "-cp", java_build.built(), "org.fedfleet.device.SessionTraces", "--save-failing",
-                           str(tmp_path / "session.json")], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.SessionTraces",
+                                                  "--save-failing", str(tmp_path / "session.json")),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"warnings": 1, "failed": True, "retried": False, "written": True, "same_kind": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json"]      # no temp file left

@@ -247,10 +247,9 @@ def write_cases(folder: Path, keys, seed: int) -> dict[str, list]:
 def run_devices(folder: Path, keys) -> dict[str, list[dict]]:
     """Each device over every case: the Java one in one JVM, the torch-free one in one process."""
     agg = keys["aggregator"].public_key_bytes.hex()
-    # C1 only and the serial collector: a third of the JIT's CPU for a run of seconds (2.9 s against 8.3 s)
-    java = subprocess.Popen(["java", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-cp", java_build.built(),
-                             "TaskRunner", "--batch", str(folder / "java.cases"), agg,
-                             keys["java"].private_bytes().hex()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    java = subprocess.Popen(java_build.java_command("-cp", java_build.built(), "TaskRunner", "--batch",
+                                                    str(folder / "java.cases"), agg, keys["java"].private_bytes().hex()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     numpy_device = subprocess.Popen([str(DEVICE_PYTHON), str(Path(__file__).with_name("fuzz_device.py")),
                                      str(folder / "numpy.cases"), agg, keys["numpy"].private_bytes().hex(),
                                      str(folder / "numpy")], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},

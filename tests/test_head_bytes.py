@@ -223,7 +223,8 @@ def test_the_python_and_java_devices_take_and_refuse_the_same_head_files(tmp_pat
     for k, data in enumerate(FILES.values()):
         paths.append(tmp_path / f"{k}.npz")
         paths[-1].write_bytes(data)
-    proc = subprocess.run(["java", "-cp", java_build.built(), "HeadBytes"], input="\n".join(map(str, paths)) + "\n",
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "HeadBytes"),
+                          input="\n".join(map(str, paths)) + "\n",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     java = dict(zip(FILES, proc.stdout.splitlines()))

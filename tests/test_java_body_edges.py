@@ -49,7 +49,7 @@ def java_cp() -> str:
 def java_decisions(java_cp: str, cases: list[dict]) -> list[str]:
     """Each case's decision by the Java device (one JVM for all cases)."""
     lines = [json.dumps(c, ensure_ascii=True) for c in cases]
-    proc = subprocess.run(["java", "-cp", java_cp, "BodyEdges"], input="\n".join(lines) + "\n",
+    proc = subprocess.run(java_build.java_command("-cp", java_cp, "BodyEdges"), input="\n".join(lines) + "\n",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line)["out"] for line in proc.stdout.splitlines()]

@@ -63,8 +63,9 @@ def reference(head, Z, local=None):
 
 
 def slot_runner(java_cp, slot_dir, features, key="-", local="-", *message) -> dict[str, str]:
-    proc = subprocess.run(["java", "-cp", java_cp, "SlotRunner", str(slot_dir), key, str(features), local,
-                           *map(str, message)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(java_build.java_command("-cp", java_cp, "SlotRunner", str(slot_dir), key, str(features),
+                                                  local, *map(str, message)),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in proc.stdout.splitlines()}
 
@@ -284,8 +285,9 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
         ctl.call(lambda: ctl.deploy(ids["good"], cohort="devices:jcam", stages="100%", bake_s=0.2, min_reports=1,
                                     guard="refused<=0", deployment_id="good-1"))
         time.sleep(0.5)                               # published while the device is offline: retained
-        proc = subprocess.Popen(["java", "-cp", java_cp, "FollowerRunner", broker.url, "jcam", topics.root,
-                                 agg.public_key_bytes.hex(), str(slot), str(feats), ",".join(map(str, local))],
+        proc = subprocess.Popen(java_build.java_command("-cp", java_cp, "FollowerRunner", broker.url, "jcam",
+                                                        topics.root, agg.public_key_bytes.hex(), str(slot),
+                                                        str(feats), ",".join(map(str, local))),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "FOLLOWER_FAILED_READS": "2"})
         assert proc.stdout.readline().strip() == "READY"

@@ -58,7 +58,7 @@ def test_java_device_bytes_equal_the_golden_vectors(java_cp, tmp_path):
     feats = write_features(tmp_path / "golden.feat", Z, y)
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.run(["java", "-cp", java_cp, "GoldenWire", str(GOLDEN), str(feats), str(out)],
+    proc = subprocess.run(java_build.java_command("-cp", java_cp, "GoldenWire", str(GOLDEN), str(feats), str(out)),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     index = json.loads((GOLDEN / "index.json").read_text())
@@ -159,8 +159,9 @@ def run_mixed_fleet(java_cp: str, broker, tmp_path: Path, secure: bool, graph: s
     for d in devices:
         service.svc.registry.enroll(d, keys[d].public_key_bytes)
 
-    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
-           "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "2", "--tick", "0.1"]
+    cmd = java_build.java_command("-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof",
+                                  "--broker", broker.url, "--aggregator-key", agg.public_key_bytes.hex(),
+                                  "--retry-after", "2", "--tick", "0.1")
     if java_chunk_size:
         cmd += ["--chunk-size", str(java_chunk_size)]
     if secure:          # their updates only through secure aggregation: what the secure kinds need is all there
@@ -278,9 +279,10 @@ def test_java_device_reconnects_refuses_forged_tasks_and_leaves_its_last_will(ja
     device_key = DeviceIdentity.from_private_bytes(dev, seed).public_key_bytes
     features = write_features(tmp_path / "f.feat", *fleet_data(0))
     broker = MosquittoBroker().start()
-    jvm = subprocess.Popen(["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
-                            "--aggregator-key", agg.public_key_bytes.hex(), "--retry-after", "0.3", "--tick", "0.05",
-                            "--device", dev, str(features), seed.hex()],
+    jvm = subprocess.Popen(java_build.java_command("-cp", java_cp, "org.fedfleet.device.HeadlessDevices",
+                                                   "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key",
+                                                   agg.public_key_bytes.hex(), "--retry-after", "0.3", "--tick",
+                                                   "0.05", "--device", dev, str(features), seed.hex()),
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     observer = None
     try:
@@ -350,9 +352,11 @@ def test_java_device_declines_what_it_cannot_do_and_stops_cleanly_on_sigterm(jav
     topics, dev = Topics(), "java0"
     seed, agg = os.urandom(32), DeviceIdentity.generate("aggregator")
     device_key = DeviceIdentity.from_private_bytes(dev, seed).public_key_bytes
-    jvm = subprocess.Popen(["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker", broker.url,
-                            "--aggregator-key", agg.public_key_bytes.hex(), "--device", dev,
-                            str(write_features(tmp_path / "f.feat", *fleet_data(0))), seed.hex()],
+    jvm = subprocess.Popen(java_build.java_command("-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--broker",
+                                                   broker.url, "--aggregator-key", agg.public_key_bytes.hex(),
+                                                   "--device", dev,
+                                                   str(write_features(tmp_path / "f.feat", *fleet_data(0))),
+                                                   seed.hex()),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     got: queue.Queue = queue.Queue()
     observer = MqttLink("observer", BrokerConfig.from_url(broker.url), on_message=lambda t, p: got.put((t, p)),

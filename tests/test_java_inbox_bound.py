@@ -50,7 +50,7 @@ def python_decisions(case: dict) -> tuple[list, int]:
 def test_the_java_inbox_keeps_and_drops_what_the_python_loop_does():
     rng = np.random.default_rng(7)
     cases = [random_case(rng) for _ in range(60)]
-    proc = subprocess.run(["java", "-cp", java_build.built(), "InboxBound"],
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "InboxBound"),
                           input="\n".join(json.dumps(c) for c in cases) + "\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     first, waited, *lines = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -54,8 +54,9 @@ class JavaClient:
         self.key = DeviceIdentity.from_private_bytes(JAVA, seed).public_key_bytes
         (tmp_path / "input.f64").write_bytes(np.asarray(vector, "<f8").tobytes())
         self.proc = subprocess.Popen(
-            ["java", "-cp", java_build.built(), "SecAggBridge", JAVA, seed.hex(), AGGREGATOR.public_key_bytes.hex(),
-             config.job_id, str(config.round_id), config.group_id, str(tmp_path / "input.f64"), *(["dp"] if dp else [])],
+            java_build.java_command("-cp", java_build.built(), "SecAggBridge", JAVA, seed.hex(),
+                                    AGGREGATOR.public_key_bytes.hex(), config.job_id, str(config.round_id),
+                                    config.group_id, str(tmp_path / "input.f64"), *(["dp"] if dp else [])),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.state = ClientState.WAITING_CONFIG
         self.refusals: list[str] = []

@@ -87,7 +87,8 @@ def python_answers(folder: Path, script: str) -> list[str]:
 
 def java_answers(folder: Path, script: str, tmp_path: Path) -> list[str]:
     (tmp_path / "script").write_text(script)
-    proc = subprocess.run(["java", "-cp", java_build.built(), "StateRunner", str(folder), str(tmp_path / "script")],
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "StateRunner", str(folder),
+                                                  str(tmp_path / "script")),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.splitlines()
@@ -129,9 +130,10 @@ def test_forget_state_removes_each_java_devices_kept_state(tmp_path):
         java_answers(tmp_path / "state" / device, f"clock {time.time()}\nopen 100000\nsave sc-1 {RUN_A} 3 3600 6\n"
                      f"save dt-1 {RUN_A} 1 3600 2\n", tmp_path)
     feats = write_features(tmp_path / "f.feat", np.zeros((2, 3), np.float32), np.array([0, 1]))
-    proc = subprocess.run(["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices", "--state-dir",
-                           str(tmp_path / "state"), "--forget-state", "--device", "java0", str(feats), "-",
-                           "--device", "java9", str(feats), "-"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
+                                                  "--state-dir", str(tmp_path / "state"), "--forget-state",
+                                                  "--device", "java0", str(feats), "-", "--device", "java9",
+                                                  str(feats), "-"), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["FORGOT java0 2", "FORGOT java9 0"]
     assert DeviceStateStore(tmp_path / "state" / "java0").jobs() == []

@@ -52,8 +52,8 @@ def java_cp() -> str:
 
 def java(java_cp: str, *args) -> str:
     # a hang guard, not a speed bound: 20,000 PTRS draws took 15-33 s on a loaded 2-core machine
-    proc = subprocess.run(["java", "-cp", java_cp, "TaskRunner", *map(str, args)], capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(java_build.java_command("-cp", java_cp, "TaskRunner", *map(str, args)), capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -185,8 +185,9 @@ def test_secure_fedavg_vector_is_the_python_devices(java_cp, tmp_path, change, r
     head = {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32)}
     params = {**RECIPE, "group": "g1", "max_samples": 100, "max_abs_param": 20.0, **change}
     (tmp_path / "task.bin").write_bytes(task_bytes(params, head, "fedavg.secure"))
-    proc = subprocess.run(["java", "-cp", java_cp, "TaskRunner", str(tmp_path / "task.bin"),
-                           str(write_features(tmp_path / "f.feat", Z, y)), str(tmp_path / "unused.bin")],
+    proc = subprocess.run(java_build.java_command("-cp", java_cp, "TaskRunner", str(tmp_path / "task.bin"),
+                                                  str(write_features(tmp_path / "f.feat", Z, y)),
+                                                  str(tmp_path / "unused.bin")),
                           capture_output=True, text=True, timeout=60)
     if reason is not None:
         assert proc.stdout.startswith("DECLINED") and reason in proc.stdout, proc.stdout + proc.stderr[-2000:]
@@ -315,8 +316,8 @@ def start_java_devices(java_cp, broker_url, tmp_path, extra: list[str], seeds: d
                        scale: dict | None = None, data=None) -> subprocess.Popen:
     """JAVA_IDS in one JVM (HeadlessDevices), each on data(i) (default device_data; times scale[d]),
     with a held-out split; signing with seeds[d] when given."""
-    cmd = ["java", "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker_url,
-           "--retry-after", "2", "--tick", "0.1", *extra]
+    cmd = java_build.java_command("-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof",
+                                  "--broker", broker_url, "--retry-after", "2", "--tick", "0.1", *extra)
     for i, d in enumerate(JAVA_IDS):
         Z, y = (data or device_data)(i)
         feats = write_features(tmp_path / f"{d}.feat", Z * (scale or {}).get(d, 1.0), y)

@@ -55,7 +55,7 @@ def java_decisions(java_cp: str, cases: list[dict]) -> list[list[str]]:
     """Each case's decisions by the Java device (one JVM for all cases)."""
     lines = [json.dumps({"msgs": [m.hex() for m in c["msgs"]], "now": c["now"], "key": c.get("key"),
                          "reassembler": c.get("reassembler"), "bare": c.get("bare", False)}) for c in cases]
-    proc = subprocess.run(["java", "-cp", java_cp, "WireEdges"], input="\n".join(lines) + "\n",
+    proc = subprocess.run(java_build.java_command("-cp", java_cp, "WireEdges"), input="\n".join(lines) + "\n",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line)["out"] for line in proc.stdout.splitlines()]

@@ -225,6 +225,7 @@ def test_the_java_device_applies_job_ended_as_the_python_device_does(java_cp, tm
     run, a malformed one, then the genuine one — leave the same jobs in each."""
     import subprocess
 
+    import java_build
     from edge_client.state import DeviceStateStore
 
     aggregator, forger = DeviceIdentity.generate(AGGREGATOR_ID), DeviceIdentity.generate(AGGREGATOR_ID)
@@ -246,7 +247,8 @@ def test_the_java_device_applies_job_ended_as_the_python_device_does(java_cp, tm
         (tmp_path / f"notice{i}.bin").write_bytes(raw)
         script.append(f"ended {tmp_path / f'notice{i}.bin'} {aggregator.public_key_bytes.hex()}")
     (tmp_path / "script").write_text("\n".join(script + ["open 1000000"]) + "\n")
-    out = subprocess.run(["java", "-cp", java_cp, "StateRunner", str(tmp_path / "java"), str(tmp_path / "script")],
+    out = subprocess.run(java_build.java_command("-cp", java_cp, "StateRunner", str(tmp_path / "java"),
+                                                 str(tmp_path / "script")),
                          capture_output=True, text=True, timeout=60)
     answers = out.stdout.splitlines()
     assert answers[0] == "JOBS j1,j2,j3", out.stderr

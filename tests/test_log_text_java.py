@@ -65,7 +65,7 @@ def java_cp() -> str:
 
 def java(java_cp: str, cases: list[dict]) -> list[dict]:
     lines = [json.dumps(c) for c in cases]
-    proc = subprocess.run(["java", "-cp", java_cp, "LogTextCases"], input="\n".join(lines) + "\n",
+    proc = subprocess.run(java_build.java_command("-cp", java_cp, "LogTextCases"), input="\n".join(lines) + "\n",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]

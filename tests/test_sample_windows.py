@@ -258,9 +258,9 @@ def test_the_java_device_keeps_the_same_windows_by_the_same_rule(tmp_path):
     python_state.mkdir()
     for step, (window, answered) in enumerate(SCRIPT):
         (tmp_path / "task.bin").write_bytes(task_bytes(params(**window), {}, "fed3r.stats"))
-        proc = subprocess.run(["java", "-cp", cp, "TaskRunner", str(tmp_path / "task.bin"), str(feats),
-                               str(tmp_path / "result.bin"), "-", str(java_state)], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(java_build.java_command("-cp", cp, "TaskRunner", str(tmp_path / "task.bin"), str(feats),
+                                                      str(tmp_path / "result.bin"), "-", str(java_state)),
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         python = device(x, y, SampleWindowLedger(python_state / WINDOWS_FILE))
         try:

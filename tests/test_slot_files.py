@@ -83,7 +83,7 @@ def test_the_python_and_java_devices_open_the_same_slot_folders_alike(tmp_path):
     os.mkfifo(folders["slot.json a FIFO"] / "slot.json")
     folders["slot.json a folder"] = tmp_path / "folder"
     (folders["slot.json a folder"] / "slot.json").mkdir(parents=True)
-    proc = subprocess.run(["java", "-cp", java_build.built(), "SlotFiles"],
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "SlotFiles"),
                           input="\n".join(map(str, folders.values())) + "\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     java = dict(zip(folders, proc.stdout.splitlines()))

@@ -36,8 +36,8 @@ class JavaSlot:
     """tests/java_device/SlotSteps.java on ``folder``: one line in, one line out."""
 
     def __init__(self, folder, labels: str | None = None):
-        self.proc = subprocess.Popen(["java", "-cp", java_build.built(), "SlotSteps", str(folder),
-                                      *([labels] if labels else [])],
+        self.proc = subprocess.Popen(java_build.java_command("-cp", java_build.built(), "SlotSteps", str(folder),
+                                                             *([labels] if labels else [])),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(line.strip()) for line in self.proc.stdout], daemon=True).start()
@@ -200,7 +200,8 @@ def test_a_slot_on_a_folder_this_process_may_only_read_opens_in_both_sdks(tmp_pa
     python = subprocess.run([*prefix, sys.executable, "-c", "import sys; from edge_client.deployment import ModelSlot; "
                              "print(ModelSlot(sys.argv[1]).current.sha256)", str(slot_dir)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
-    java = subprocess.run([*prefix, "java", "-cp", java_build.built(), "SlotFiles"], input=f"{slot_dir}\n",
+    java = subprocess.run([*prefix, *java_build.java_command("-cp", java_build.built(), "SlotFiles")],
+                          input=f"{slot_dir}\n",
                           capture_output=True, text=True, timeout=120)
     assert python.stdout.strip() == sha_a, python.stderr[-2000:]
     assert java.stdout.strip() == f"OK 0 none {sha_a}", java.stdout + java.stderr[-2000:]

@@ -226,9 +226,10 @@ def test_the_java_device_skips_expired_and_replayed_tasks(broker, tmp_path):
     dev = "java-dl"
     features = write_features(tmp_path / "f.feat", *fleet_data(0))
     sniffer = Sniffer(broker, [T.outbox(dev)])
-    jvm = subprocess.Popen(["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
-                            "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key", AGG.public_key_bytes.hex(),
-                            "--retry-after", "0.3", "--tick", "0.05", "--device", dev, str(features), os.urandom(32).hex()],
+    jvm = subprocess.Popen(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
+                                                   "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key",
+                                                   AGG.public_key_bytes.hex(), "--retry-after", "0.3", "--tick",
+                                                   "0.05", "--device", dev, str(features), os.urandom(32).hex()),
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert jvm.stdout.readline().strip() == f"ONLINE {dev}"
@@ -264,10 +265,13 @@ def test_a_restarted_java_device_still_skips_replays(broker, tmp_path):
     jvms, outputs, agents = [], [], []
 
     def start():
-        jvms.append(subprocess.Popen(["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
-                                      "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key",
-                                      AGG.public_key_bytes.hex(), "--retry-after", "0.3", "--tick", "0.05",
-                                      "--state-dir", str(tmp_path / "state"), "--device", dev, str(features), seed],
+        jvms.append(subprocess.Popen(java_build.java_command("-cp", java_build.built(),
+                                                             "org.fedfleet.device.HeadlessDevices",
+                                                             "--stop-on-stdin-eof", "--broker", broker.url,
+                                                             "--aggregator-key", AGG.public_key_bytes.hex(),
+                                                             "--retry-after", "0.3", "--tick", "0.05", "--state-dir",
+                                                             str(tmp_path / "state"), "--device", dev, str(features),
+                                                             seed),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         assert jvms[-1].stdout.readline().strip() == f"ONLINE {dev}"
 

@@ -427,7 +427,8 @@ def test_the_java_device_reads_and_refuses_the_golden_params_as_python_does():
     if java_build.missing():
         pytest.skip(java_build.missing())
     paths = [GOLDEN_DIR / f"{kind}.json" for kind in GOLDEN_KINDS]
-    proc = subprocess.run(["java", "-cp", java_build.built(), "ParamsRunner", *map(str, paths)], capture_output=True,
+    proc = subprocess.run(java_build.java_command("-cp", java_build.built(), "ParamsRunner", *map(str, paths)),
+                          capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     blocks = proc.stdout.split("KIND ")[1:]

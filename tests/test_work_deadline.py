@@ -98,9 +98,10 @@ def test_the_java_device_stops_training_when_the_round_is_over(broker, tmp_path)
     recipe = {"num_classes": classes, "feature_dim": dim, "backbone": "b", "image_size": 8, "weights_sha256": "",
               "batch_size": 1, "lr": 0.01, "seed": 1}
     sniffer = Sniffer(broker, [T.outbox(dev)])
-    jvm = subprocess.Popen(["java", "-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
-                            "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key", AGG.public_key_bytes.hex(),
-                            "--tick", "0.05", "--device", dev, str(features), os.urandom(32).hex()],
+    jvm = subprocess.Popen(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.HeadlessDevices",
+                                                   "--stop-on-stdin-eof", "--broker", broker.url, "--aggregator-key",
+                                                   AGG.public_key_bytes.hex(), "--tick", "0.05", "--device", dev,
+                                                   str(features), os.urandom(32).hex()),
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert jvm.stdout.readline().strip() == f"ONLINE {dev}"
