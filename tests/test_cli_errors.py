@@ -143,19 +143,26 @@ def test_a_mistake_is_one_line_without_a_traceback(files, name, argv, words, cap
     assert not (files / "never").exists()                 # nothing written before the check
 
 
-def test_help_and_version():
+def test_help_and_version(capsys, monkeypatch):
     bare = subprocess.run([FEDFLEET], capture_output=True, text=True, timeout=60)
     assert "simulate" in bare.stdout and "usage" in bare.stdout and "Traceback" not in bare.stderr
     version = subprocess.run([FEDFLEET, "--version"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("fedfleet ")
-    helps = subprocess.run([FEDFLEET, "aggregator", "serve", "--help"], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "COLUMNS": "2000"})     # argparse wraps at hyphens otherwise
+    # the server's help through main() here: the console command's path is the two runs above, and a
+    # process of its own would import torch again only to print text
+    from fedfleet.cli import main
+
+    monkeypatch.setenv("COLUMNS", "2000")                              # argparse wraps at hyphens otherwise
+    with pytest.raises(SystemExit) as stop:
+        main(["aggregator", "serve", "--help"])
+    helps = capsys.readouterr().out
+    assert stop.value.code == 0
     from aggregator.jobs.registry import KINDS
     for kind in KINDS:                                                  # every registered kind is explained
-        assert kind + ":" in helps.stdout, kind
-    assert "``" not in helps.stdout and "(default: mqtt://127.0.0.1:1883)" in " ".join(helps.stdout.split())
+        assert kind + ":" in helps, kind
+    assert "``" not in helps and "(default: mqtt://127.0.0.1:1883)" in " ".join(helps.split())
     # a help that says its default, or a default of nothing, gets none added ("(default: ())" was)
-    assert not re.search(r"\(default[^)]*\) \(default|\(default: (\(\)|None|)\)", helps.stdout), helps.stdout
+    assert not re.search(r"\(default[^)]*\) \(default|\(default: (\(\)|None|)\)", helps), helps
 
 
 # Run by a fresh interpreter: which modules main() imported for each argv, and its exit code.
@@ -268,17 +275,20 @@ def test_an_admin_job_file_naming_a_key_twice_is_refused_before_any_request(tmp_
 
 
 @pytest.mark.parametrize("config", ["huge.json", "bad.json", "nope.json"])
-def test_python_m_aggregator_reports_a_mistake_as_fedfleet_aggregator_does(files, config):
+def test_python_m_aggregator_reports_a_mistake_as_fedfleet_aggregator_does(files, config, capsys):
     """A review's finding: ``python -m aggregator serve`` (what process managers and the suite run)
     printed a 19-line traceback, exit 1, for a bad --config where ``fedfleet aggregator serve``
     printed one line, exit 2. Both now print the same line."""
+    from fedfleet.cli import main
+
     argv = ["serve", "--out", str(files / "o"), "--config", str(files / config), "--broker", "mqtt://127.0.0.1:1"]
-    outcomes = []
-    for entry in (["-m", "aggregator"], ["-m", "fedfleet.cli", "aggregator"]):
-        proc = subprocess.run([sys.executable, *entry, *argv], capture_output=True, text=True, timeout=120,
-                              cwd=Path(__file__).resolve().parents[1])
-        assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr[-2000:]
-        outcomes.append((proc.returncode, proc.stderr))
+    proc = subprocess.run([sys.executable, "-m", "aggregator", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    # fedfleet's side through its main() here: `python -m fedfleet.cli` is sys.exit(main()), whose
+    # exit codes the bounded-file tests below see from a process of their own
+    outcomes = [(proc.returncode, proc.stderr), (main(["aggregator", *argv]), capsys.readouterr().err)]
+    for code, stderr in outcomes:
+        assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr[-2000:]
     assert outcomes[0] == outcomes[1] and outcomes[0][0] == 2, outcomes
 
 
@@ -297,11 +307,13 @@ def test_a_config_is_checked_before_torch_is_imported(tmp_path, command):
 
 @pytest.mark.parametrize("command", [["simulate"], ["aggregator", "serve", "--out", "o"]])
 @pytest.mark.parametrize("case", ["deep", "duplicate", "fifo", "/dev/zero"])
-def test_a_json_file_the_command_reads_is_bounded_and_refused_in_one_line(tmp_path, case, command):
+def test_a_json_file_the_command_reads_is_bounded_and_refused_in_one_line(tmp_path, case, command, capsys,
+                                                                        monkeypatch):
     """A review's findings: the JSON files the fedfleet command reads (simulate --config, device
     --credentials, --compare-with) were read whole and parsed as they came: JSON nested too deeply
     was a RecursionError traceback, a FIFO blocked for ever, /dev/zero filled memory, a key named
-    twice kept its last value. Each is now one line, exit 2 (a process capped at 2 GiB and 60 s).
+    twice kept its last value. Each is now one line, exit 2 (the FIFO and /dev/zero in a process
+    capped at 2 GiB and 60 s).
     ``aggregator serve --config`` (a job config) was read the old way until stop 68."""
     import resource
 
@@ -317,11 +329,18 @@ def test_a_json_file_the_command_reads_is_bounded_and_refused_in_one_line(tmp_pa
     def cap_memory():
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
-    proc = subprocess.run([sys.executable, "-m", "fedfleet.cli", *command, "--config", str(path)],
-                          capture_output=True, text=True, timeout=60, preexec_fn=cap_memory, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    if case in ("fifo", "/dev/zero"):       # a reader without a bound blocks or grows: its own capped process
+        proc = subprocess.run([sys.executable, "-m", "fedfleet.cli", *command, "--config", str(path)],
+                              capture_output=True, text=True, timeout=60, preexec_fn=cap_memory, cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
+        code, stderr = proc.returncode, proc.stderr
+    else:                                   # a file that neither blocks nor grows: main() in this process
+        from fedfleet.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        code, stderr = main([*command, "--config", str(path)]), capsys.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
     assert {"deep": "nested too deeply", "duplicate": "duplicate key 'devices'", "fifo": "not a regular file",
             "/dev/zero": "not a regular file"}[case] in lines[0]
 
