@@ -150,8 +150,8 @@ def test_the_java_device_fails_closed_alike(tmp_path):
                 (folder / WINDOWS_FILE).write_text(kept)
         (tmp_path / "task.bin").write_bytes(task_bytes(params(**window), {}, "fed3r.stats"))
         state = [] if kept is None else ["-", str(folders[0])]
-        proc = subprocess.run(["java", "-cp", cp, "TaskRunner", str(tmp_path / "task.bin"), str(feats),
-                               str(tmp_path / "result.bin"), *state], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(java_build.java_command("-cp", cp, "TaskRunner", str(tmp_path / "task.bin"), str(feats),
+                                                  str(tmp_path / "result.bin"), *state), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         python = device(x, y, None if kept is None else SampleWindowLedger(folders[1] / WINDOWS_FILE))
         try:
