@@ -81,7 +81,7 @@ def run(tmp_path, shards_count: int, restart: bool = False, config: dict = CONFI
     single.expect_round_sums()                  # as the service with a store: nothing summed on arrival
     coordinator = ShardedNoisyRoundsJob(build_job("fed3r", config), "fed3r", round_root, round_closed)
     single.strategy.rng, coordinator.inner.strategy.rng = np.random.default_rng(5), np.random.default_rng(5)
-    h, centred = handlers(DEVICES), []
+    h, centred = handlers(DEVICES, tmp_path / "windows"), []
     for index in range(2):
         chosen = single.next_participants(set(DEVICES))
         assert coordinator.next_participants(set(DEVICES)) == chosen

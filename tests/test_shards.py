@@ -287,15 +287,16 @@ DP_FED3R_ON = ["local", pytest.param("ray", marks=[RAY_ALL_ONLY, *ON_RAY])]
 DP_NOISE_SEED = "23"
 
 
-def dp_fed3r_fleet(broker_url: str, gates: dict | None = None) -> Fleet:
+def dp_fed3r_fleet(broker_url: str, windows, gates: dict | None = None) -> Fleet:
     """The devices of test_dp_fed3r_center's DP Fed3R job (the device library's task, clipping and
-    centring), the ``gates``' devices waiting for theirs before a centred round's task (never the
-    center round's: holding one of its three would drop it and change every later round)."""
+    centring; their sample windows kept under ``windows``), the ``gates``' devices waiting for
+    theirs before a centred round's task (never the center round's: holding one of its three would
+    drop it and change every later round)."""
     from protocols.payloads.fed3r import KIND
 
     from test_dp_fed3r_center import handlers
 
-    tasks = handlers(DEVICES)
+    tasks = handlers(DEVICES, windows)
 
     def of(device):
         task = tasks[device]
@@ -320,7 +321,7 @@ def prepare_dp_fed3r(workdir) -> None:
 def dp_fed3r_unsharded(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("dp-fed3r-one")
     prepare_dp_fed3r(workdir)
-    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url):
+    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url, workdir / "windows"):
         rc, log = run_aggregator(workdir, broker.url, workdir / "state.db", timeout=SHARDED_JOB_TIMEOUT_S,
                                  env={NOISE_SEED_ENV: DP_NOISE_SEED})
     assert rc == 0, log[-3000:]
@@ -341,7 +342,7 @@ def assert_same_dp_release(got, want) -> None:
 @pytest.mark.parametrize("on", DP_FED3R_ON)
 def test_dp_fed3r_on_shards_releases_one_aggregators_bytes(tmp_path, dp_fed3r_unsharded, on, request):
     prepare_dp_fed3r(tmp_path)
-    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url):
+    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url, tmp_path / "windows"):
         rc, log = run_aggregator(tmp_path, broker.url, tmp_path / "state.db", timeout=SHARDED_JOB_TIMEOUT_S,
                                  extra=shard_options(on, request), env={NOISE_SEED_ENV: DP_NOISE_SEED})
     assert rc == 0, log[-3000:]
@@ -355,7 +356,7 @@ def test_dp_fed3r_on_shards_resumes_a_sigkilled_shard_bit_for_bit(tmp_path, dp_f
     prepare_dp_fed3r(tmp_path)
     state, victim = tmp_path / "state.db", shard_of(DEVICES[0], 2)
     gates = {d: threading.Event() for d in [d for d in DEVICES if shard_of(d, 2) == victim][1:]}
-    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url, gates):
+    with MosquittoBroker() as broker, dp_fed3r_fleet(broker.url, tmp_path / "windows", gates):
         proc = start_aggregator_in(tmp_path, broker.url, state, ["--shards", "2"], timeout=SHARDED_JOB_TIMEOUT_S,
                                    env={NOISE_SEED_ENV: DP_NOISE_SEED})
         kill_shard_once_it_stores(proc, state, victim, gates)
