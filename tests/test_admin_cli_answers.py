@@ -52,6 +52,28 @@ def admin_status(server, capsys) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+def admin_status_from_raw_server(serve_one, capsys) -> tuple[int, str]:
+    """``admin status`` against a loopback socket whose one connection ``serve_one(conn)`` answers
+    byte by byte (what no HTTP server library would send)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept_one():
+        conn, _ = listener.accept()
+        with conn:
+            serve_one(conn)
+
+    thread = threading.Thread(target=accept_one, daemon=True)
+    thread.start()
+    try:
+        rc = main(["status", "--url", f"http://127.0.0.1:{listener.getsockname()[1]}", "--token", "t"])
+    finally:
+        thread.join(5)
+        listener.close()
+    return rc, capsys.readouterr().err
+
+
 def raw_controls(text: str) -> list[str]:
     return [c for c in text if not c.isprintable() and c != "\n"]
 
@@ -128,24 +150,11 @@ def test_a_time_past_what_the_clock_shows_is_one_line_not_a_traceback(server, ca
 def test_a_url_that_is_no_http_server_is_one_line_not_a_traceback(capsys):
     """A mistyped --url naming another service (an SSH port's banner): http.client's BadStatusLine
     is no OSError, so urllib passed it through."""
-    import socket
+    def banner(conn):
+        conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+        conn.recv(65536)
 
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def banner():
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
-            conn.recv(65536)
-
-    thread = threading.Thread(target=banner, daemon=True)
-    thread.start()
-    try:
-        rc = main(["status", "--url", f"http://127.0.0.1:{listener.getsockname()[1]}", "--token", "t"])
-    finally:
-        thread.join(5)
-        listener.close()
-    err = capsys.readouterr().err
+    rc, err = admin_status_from_raw_server(banner, capsys)
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "did not answer as an HTTP server" in err and "SSH-2.0" in err, err
 
@@ -154,24 +163,11 @@ def test_a_url_that_is_no_http_server_is_one_line_not_a_traceback(capsys):
 def test_a_chunked_answer_cut_short_is_one_line_not_a_traceback(capsys, status):
     """A connection closed inside a chunk: http.client's IncompleteRead, in the answer or in an
     error's body (read in the HTTPError handler, where the handler beside it does not catch it)."""
-    import socket
+    def cut(conn):
+        conn.recv(65536)
+        conn.sendall(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n40\r\n{\"detail\": \"cut".encode())
 
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def cut():
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
-                         "Transfer-Encoding: chunked\r\n\r\n40\r\n{\"detail\": \"cut".encode())
-
-    thread = threading.Thread(target=cut, daemon=True)
-    thread.start()
-    try:
-        rc = main(["status", "--url", f"http://127.0.0.1:{listener.getsockname()[1]}", "--token", "t"])
-    finally:
-        thread.join(5)
-        listener.close()
-    err = capsys.readouterr().err
+    rc, err = admin_status_from_raw_server(cut, capsys)
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "IncompleteRead" in err, err
