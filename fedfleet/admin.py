@@ -164,8 +164,13 @@ def progress_line(status: dict) -> str:
         rnd = f"round {cur['round']:>3} {bar(answered, len(cur['participants']), 20)}"
     else:
         rnd = f"round {job['round']:>3} ({one_line(job.get('waiting') or 'between rounds')})"
-    return (f"{job['job_id']} [{job['state']}] {rnd}  contributions {job['contributions']}  "
+    return (f"{one_line(job['job_id'], 64)} [{one_line(job['state'], 64)}] {rnd}  contributions {job['contributions']}  "
             f"online {len(status.get('devices_online', []))}{acc}")
+
+
+def listed(values, empty: str = "-") -> str:
+    """Device ids (or other values) the API listed, on one line: each a value, never layout."""
+    return one_line(", ".join(str(v) for v in values), 4000) or empty
 
 
 def _devices_rows(devices: list[dict]) -> list[dict]:
@@ -216,10 +221,10 @@ def _run(args, client: AdminClient) -> Any:
         return _job(args, client)
     if c == "round":
         r = client.get(f"/api/jobs/{args.job_id}/rounds/{args.round}")
-        lines = [f"round {r['round']} of {args.job_id}: {r['state']}",
-                 f"participants {', '.join(r['participants'])}", f"accepted     {', '.join(r['accepted']) or '-'}",
-                 f"dropped      {', '.join(r['dropped']) or '-'}", f"declined     {', '.join(r['declined']) or '-'}",
-                 f"rejected     {', '.join(r['rejected']) or '-'}", f"pending      {', '.join(r['pending']) or '-'}",
+        lines = [f"round {r['round']} of {args.job_id}: {one_line(r['state'], 64)}",
+                 f"participants {listed(r['participants'])}", f"accepted     {listed(r['accepted'])}",
+                 f"dropped      {listed(r['dropped'])}", f"declined     {listed(r['declined'])}",
+                 f"rejected     {listed(r['rejected'])}", f"pending      {listed(r['pending'])}",
                  f"duration     {r['duration_s'] if r['duration_s'] is not None else 'open'}",
                  f"bytes in     {r['bytes_in']}"]
         lines += [f"  {d:<16} answered after {t:.2f}s" for d, t in sorted(r["result_latency_s"].items())]
@@ -305,7 +310,7 @@ def _when(ts: float | None) -> str:
 
 def _job_text(j: dict) -> str:
     """A job as an operator reads it: state, times as dates, counters and config as key: value lines."""
-    lines = [f"job {j['job_id']} ({j['kind']}): {j['state']}",
+    lines = [f"job {one_line(j['job_id'], 64)} ({one_line(j['kind'], 64)}): {one_line(j['state'], 64)}",
              f"  rounds {j['rounds']}, contributions {j['contributions']}",
              f"  created   {_when(j.get('created_at'))}", f"  started   {_when(j.get('started_at'))}",
              f"  finished  {_when(j.get('finished_at'))}"]
@@ -376,7 +381,7 @@ def _model(args, client):
     if args.action == "lineage":
         lin = client.get(f"/api/models/{args.model_id}/lineage")
         return lin, "\n".join(f"v{m['version']} (id {m['model_id']}, round {m['round']}, {m['contributions']} "
-                              f"contributions, sha {m['sha256'][:12]}) <- +{', '.join(m['accepted']) or 'nothing'}"
+                              f"contributions, sha {one_line(m['sha256'][:12])}) <- +{listed(m['accepted'], 'nothing')}"
                               for m in lin)
     data = client.get(f"/api/models/{args.model_id}/download", raw=True)
     Path(args.output).write_bytes(data)

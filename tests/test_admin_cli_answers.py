@@ -171,3 +171,27 @@ def test_a_chunked_answer_cut_short_is_one_line_not_a_traceback(capsys, status):
     rc, err = admin_status_from_raw_server(cut, capsys)
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "IncompleteRead" in err, err
+
+
+def test_a_job_named_with_a_newline_by_the_server_is_one_line_of_status(server, capsys):
+    """The API checks job ids; a server that is not ours need not: its job id and state are values
+    like any other on the status line (one_line), not layout (terminal_safe keeps newlines)."""
+    job = {"job_id": "ops\nfedfleet admin: forged", "state": "running\x1b[2J", "round": 1, "current_round": None,
+           "contributions": 0, "waiting": None}
+    server.answer = (200, json.dumps({"job": job, "devices_online": []}).encode())
+    rc = main(["status", "--url", f"http://127.0.0.1:{server.server_port}", "--token", "t"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("\n") == 1 and raw_controls(out) == [], out
+    assert out.startswith("ops\\nfedfleet admin: forged [running\\x1b[2J] round   1"), out
+
+
+def test_a_rounds_device_lists_from_the_server_stay_on_their_lines(server, capsys):
+    round_ = {"round": 2, "state": "closed", "participants": ["dev01", "dev02\ndropped      dev07"],
+              "accepted": ["dev01"], "dropped": [], "declined": [], "rejected": [], "pending": [],
+              "duration_s": 1.5, "bytes_in": 10, "result_latency_s": {"dev01": 0.5}}
+    server.answer = (200, json.dumps(round_).encode())
+    rc = main(["round", "ops", "2", "--url", f"http://127.0.0.1:{server.server_port}", "--token", "t"])
+    out = capsys.readouterr().out
+    assert rc == 0 and raw_controls(out) == [], out
+    assert [line for line in out.splitlines() if line.startswith("dropped")] == ["dropped      -"], out
+    assert "participants dev01, dev02\\ndropped      dev07" in out and "accepted     dev01" in out
