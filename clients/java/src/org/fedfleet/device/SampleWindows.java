@@ -26,14 +26,8 @@
 package org.fedfleet.device;
 
 import java.io.File;
-import java.io.FileInputStream;
 import java.io.IOException;
-import java.io.InputStream;
 import java.math.BigInteger;
-import java.nio.ByteBuffer;
-import java.nio.charset.CharacterCodingException;
-import java.nio.charset.CodingErrorAction;
-import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -142,7 +136,7 @@ public final class SampleWindows {
                 return;
             }
             if (!kind.isRegularFile()) throw new IOException("not a regular file");     // a FIFO would block the open
-            boundaries = checked(Json.parseHeader(read()));
+            boundaries = checked(Json.parseHeader(SmallTextFile.read(path, MAX_FILE_BYTES)));
         } catch (IOException | Json.JsonError | IllegalArgumentException e) {
             String why = String.valueOf(e.getMessage());
             lost = why.substring(0, Math.min(200, why.length()));      // the file stays as it is, for the operator
@@ -170,20 +164,5 @@ public final class SampleWindows {
             last = b;
         }
         return out;
-    }
-
-    private String read() throws IOException {
-        byte[] data = new byte[MAX_FILE_BYTES + 1];
-        int at = 0;
-        try (InputStream in = new FileInputStream(path)) {
-            for (int n; at < data.length && (n = in.read(data, at, data.length - at)) > 0; ) at += n;
-        }
-        if (at > MAX_FILE_BYTES) throw new IOException("larger than " + MAX_FILE_BYTES + " bytes");
-        try {
-            return StandardCharsets.UTF_8.newDecoder().onMalformedInput(CodingErrorAction.REPORT)
-                    .onUnmappableCharacter(CodingErrorAction.REPORT).decode(ByteBuffer.wrap(data, 0, at)).toString();
-        } catch (CharacterCodingException e) {
-            throw new IOException("not UTF-8 text");
-        }
     }
 }

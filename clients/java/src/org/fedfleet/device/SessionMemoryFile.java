@@ -29,11 +29,6 @@ package org.fedfleet.device;
 import java.io.File;
 import java.io.FileInputStream;
 import java.io.IOException;
-import java.io.InputStream;
-import java.nio.ByteBuffer;
-import java.nio.charset.CharacterCodingException;
-import java.nio.charset.CodingErrorAction;
-import java.nio.charset.StandardCharsets;
 import java.util.HashSet;
 import java.util.Set;
 import java.util.logging.Logger;
@@ -69,7 +64,7 @@ public final class SessionMemoryFile {
             // none: a first start (FileInputStream's FileNotFoundException also means a file it may not read: warned of)
             if (!path.exists()) return false;
             if (!path.isFile()) throw new IOException("not a regular file");    // a FIFO would block the open
-            session.recall(Json.parseHeader(read()), now);
+            session.recall(Json.parseHeader(SmallTextFile.read(path, MAX_BYTES)), now);
             return true;
         } catch (IOException | Json.JsonError | IllegalArgumentException e) {
             String why = String.valueOf(e.getMessage());
@@ -106,23 +101,5 @@ public final class SessionMemoryFile {
         String why = TEMP_NAME.matcher(String.valueOf(e.getMessage())).replaceAll(Matcher.quoteReplacement(DeviceStateStore.TMP + "*" + TMP_SUFFIX));
         String key = e.getClass().getSimpleName() + ": " + why;
         return key.substring(0, Math.min(200, key.length()));
-    }
-
-    /** The file's text: at most MAX_BYTES, strict UTF-8, what either device writes (as
-     *  parse_strict_json decodes it on the Python device: a byte order mark, UTF-16, an encoded
-     *  surrogate or an overlong form refused). */
-    private String read() throws IOException {
-        byte[] data = new byte[MAX_BYTES + 1];
-        int at = 0;
-        try (InputStream in = new FileInputStream(path)) {
-            for (int n; at < data.length && (n = in.read(data, at, data.length - at)) > 0; ) at += n;
-        }
-        if (at > MAX_BYTES) throw new IOException("larger than " + MAX_BYTES + " bytes");
-        try {
-            return StandardCharsets.UTF_8.newDecoder().onMalformedInput(CodingErrorAction.REPORT)
-                    .onUnmappableCharacter(CodingErrorAction.REPORT).decode(ByteBuffer.wrap(data, 0, at)).toString();
-        } catch (CharacterCodingException e) {
-            throw new IOException("not UTF-8 text");
-        }
     }
 }
