@@ -1,7 +1,7 @@
 """Golden training vectors: signed ``fedavg.head`` tasks with a local rule (FedSAM; FedASAM with
 FedProx), their features and the head the Python device trains from them, on disk in
 ``protocols/golden/training/`` so a device in another language (the Java library's
-``HeadTrainer``, tests/test_java_tasks.py) proves its SAM step without running Python.
+``HeadTrainer``, tests/test_java_fedavg_head.py) proves its SAM step without running Python.
 
 The wire vectors (``protocols/golden.py``) cannot hold these: the expected head is the Python
 device's own training (``NumpyHeadStepper``, what a torch-free device runs, bit-reproducible on any

@@ -8,7 +8,7 @@ import pytest
 
 # Helper modules whose asserts compare what tests compare: rewritten as the test modules are, so a
 # failure shows both sides (registered before any test module imports them).
-pytest.register_assert_rewrite("secagg_rounds", "secure_shard_runs")
+pytest.register_assert_rewrite("secagg_rounds", "secure_shard_runs", "java_tasks")
 
 from ray_cluster import SharedCluster
 from shared_build import build_once, run_folder

@@ -20,7 +20,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 # what pytest rewrites here: the test modules (python_files), conftest.py, the plugins it loads and
 # the helper modules it registers for rewriting (pytest.register_assert_rewrite)
-REWRITTEN = ["conftest.py", "cpu_profile.py", "secagg_rounds.py", "secure_shard_runs.py"]
+REWRITTEN = ["conftest.py", "cpu_profile.py", "secagg_rounds.py", "secure_shard_runs.py", "java_tasks.py"]
 
 
 class _QuietState:

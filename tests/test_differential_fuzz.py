@@ -29,7 +29,7 @@ tolerance carried through the clip (a projection: √L·tol), the weighting by n
 the grid (the words: that at the round's scale, plus one for rint); the count entry exactly.
 Distributed DP's Skellam noise is drawn as zero on every device (``fuzz_device.ZeroSkellam``,
 TaskRunner's zeroNoise; numpy's refusal of a Poisson mean it cannot draw kept), so its vector is
-the device's rounding to the grid; the draws are compared in distribution in test_java_tasks.py.
+the device's rounding to the grid; the draws are compared in distribution in test_java_secure_vectors.py.
 The masked words are out of scope: each device draws its round's X25519 keys and self-mask seed
 from OS entropy (neither runtime has a seam for fixed ones, and adding one would be a product
 change that weakens it), so masked outputs differ by design; the masks cancel in the sum, which
@@ -64,7 +64,7 @@ short after its last entry (its central directory torn off) was read as whole by
 On the secure kinds it found one: a dp round whose Poisson mean (σ·2^f)²/2 is past what numpy
 draws (~9.2e18, e.g. σ = 32 at scale_bits 29) was declined by the Python devices but taken by the
 Java one, whose PTRS candidate saturated at Long.MAX_VALUE in both draws: zero noise, an
-un-noised release (SkellamNoise now declines it; test_java_tasks.py).
+un-noised release (SkellamNoise now declines it; test_java_secure_vectors.py).
 
 On the code before this fuzzer (c2bf56a) it fails three ways: the Java device refuses 25 + 25
 tasks signed by the aggregator (a 2^-k rate written with 17 digits by Java, 16 by Python: the

@@ -12,7 +12,7 @@ the Python device:
   same bytes;
 * a malformed task is declined with its reason, and a device without a state store declines.
 
-* a mixed fleet over mosquitto (tests/test_java_tasks.py's harness): Java and Python devices in
+* a mixed fleet over mosquitto (tests/java_tasks.py's harness): Java and Python devices in
   one Scaffold(ψ), Ditto or FedAlt(ψ) job, the global head (and Scaffold's server control) equal
   to an in-process replay's; when the job ends (``job.ended``) every device, Java or Python, drops
   its state for the job (the state a Java device keeps after two rounds is the golden vectors').
@@ -33,11 +33,11 @@ import pytest
 
 import java_build
 from test_differential_fuzz import head_tolerance
-from test_java_tasks import C, D, device_data, java, personal_data, run_java_task, task_bytes
+from java_tasks import C, D, device_data, java, personal_data, run_java_task, task_bytes
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
 
-# the fleet replay's bounds (tests/test_java_tasks.py HEAD_ATOL: a few steps at lr 0.05); a control
+# the fleet replay's bounds (tests/java_tasks.py HEAD_ATOL: a few steps at lr 0.05); a control
 # carries (w − y) / (K lr), twice the head's difference at K = 10 steps of lr 0.05
 HEAD_ATOL = 1e-5
 CONTROL_ATOL = 2 * HEAD_ATOL
@@ -197,7 +197,7 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
     ``job.ended`` makes every device drop its state for the job (opened with the Python store),
     while the replay's devices, told nothing, still hold round 2's."""
     from ops_fleet import Features
-    from test_java_tasks import JAVA_IDS, PY_IDS, personal_data, serve, start_java_devices, stop_mixed_fleet
+    from java_tasks import JAVA_IDS, PY_IDS, personal_data, serve, start_java_devices, stop_mixed_fleet
 
     from edge_client.agent import DeviceAgent
     from edge_client.state import DeviceStateStore
@@ -317,7 +317,7 @@ def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, bro
     import os
 
     from ops_fleet import Features, RecordingService
-    from test_java_tasks import JAVA_IDS, PY_IDS, start_java_devices, two_rounds_done
+    from java_tasks import JAVA_IDS, PY_IDS, start_java_devices, two_rounds_done
 
     from aggregator.jobs.registry import build_job
     from aggregator.jobs.robustness_fields import PLAIN_MEAN

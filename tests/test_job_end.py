@@ -124,7 +124,7 @@ def wait_for(check, timeout_s: float = 10.0) -> bool:
 def test_devices_drop_a_completed_jobs_state_and_refuse_forged_and_replayed_notices(broker, tmp_path):
     from ops_fleet import Features
     from test_aggregator_over_mqtt import raw_client
-    from test_java_tasks import C, D, device_data
+    from java_tasks import C, D, device_data
 
     from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
     from aggregator.service.loop import AggregatorService

@@ -247,7 +247,7 @@ def test_the_java_device_keeps_the_same_windows_by_the_same_rule(tmp_path):
 
     import java_build
     from test_java_device import write_features
-    from test_java_tasks import task_bytes
+    from java_tasks import task_bytes
 
     if java_build.missing() is not None:
         pytest.skip(java_build.missing())

@@ -3,8 +3,9 @@
 Every handler takes its local samples as images with int64 labels of the same length
 (:func:`local_samples`). The head handlers (``fedavg.head``, the stateful heads,
 ``oll.personalize``) and the tail trainer decline the same bad inputs with the same reasons, which
-the Java device gives as well (``tests/test_java_tasks.py`` compares them): a global head that is
-not finite, a local label outside the job's classes, a backbone whose features are not the task's size.
+the Java device gives as well (``tests/test_java_fedavg_head.py`` and
+``tests/test_java_personalization.py`` compare them): a global head that is not finite, a local
+label outside the job's classes, a backbone whose features are not the task's size.
 """
 
 from __future__ import annotations

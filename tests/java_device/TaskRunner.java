@@ -1,6 +1,6 @@
 // Runs the Java device's handler of a task message's kind (fedavg.head, fed3r.stats,
-// oll.personalize) on a FeatureFile (and a held-out one), so tests/test_java_tasks.py can compare
-// its result with the Python device's on the same inputs.
+// oll.personalize) on a FeatureFile (and a held-out one), so the tests through tests/java_tasks.py
+// (run_java_task) can compare its result with the Python device's on the same inputs.
 // Usage: java TaskRunner <task.bin> <features file> <result.bin> [<held-out features file> [<state folder> [<budget bytes>]]]
 //        (scaffold.head, ditto.head, pp.head: with a state folder, their DeviceStateStore; fed3r.stats:
 //        its SampleWindows there; the held-out file "-" for none)
