@@ -114,9 +114,10 @@ def _windows_folder() -> tempfile.TemporaryDirectory:
 
 
 def fresh_windows():
-    """A fresh device's kept sample-window ledger, one per case: a device without a state folder
-    answers only all its samples (edge_client/sample_windows.py), and a DP case's cap would be
-    declined by every device alike, compared nowhere (tests/test_fuzz_capped_fed3r.py)."""
+    """A fresh device's kept sample-window ledger, one per fed3r.stats or fed3r.secure case: a device
+    without a state folder answers only all its samples (edge_client/sample_windows.py), and a case's
+    cap below its samples or its from_sample would be declined by every device alike, compared
+    nowhere (tests/test_fuzz_capped_fed3r.py, tests/fuzz_windows.py)."""
     from edge_client.sample_windows import SampleWindowLedger
 
     return SampleWindowLedger(f"{_windows_folder().name}/{next(_WINDOWS)}.json")
@@ -132,8 +133,8 @@ def handler_for(kind: str, Z: np.ndarray, y: np.ndarray, rest: list[str]):
     from edge_client.tasks.personalization import PersonalizeTask
 
     factory = lambda b, s, w: PrecomputedFeatures(Z.shape[1])      # noqa: E731
-    if kind == "fed3r.stats":
-        return Fed3RStatsTask(Z, y, factory)
+    if kind == "fed3r.stats":        # a fresh device with a kept ledger: its caps and from_sample are answered
+        return Fed3RStatsTask(Z, y, factory, windows=fresh_windows())
     if kind == "fedavg.head":
         return HeadTrainingTask(Z, y, factory)
     if kind == "oll.personalize":

@@ -1,7 +1,8 @@
 """Python and Java are one protocol, proven differentially: random task parameters and data
 through the three devices (the full install's Python device, the torch-free device run from
 ``.venv-device``, and the Java device, one JVM for all cases), for each task kind they share:
-``fed3r.stats`` (packed and factor forms, float64 and float32), ``fedavg.head`` (FedAvg(ψ)) and
+``fed3r.stats`` (packed and factor forms, float64 and float32, capped and streaming sample windows
+on a fresh device's kept ledger: tests/fuzz_windows.py), ``fedavg.head`` (FedAvg(ψ)) and
 ``oll.personalize`` (OLL + FP(ψ)), the stateful head kinds ``scaffold.head``, ``ditto.head``
 and ``pp.head`` as two rounds on one device state store each (tests/fuzz_stateful.py: seeded,
 stale, torn and foreign state; both rounds' uploads and the state files compared), and the
@@ -88,6 +89,7 @@ import numpy as np
 import pytest
 
 import fuzz_device
+import fuzz_windows
 import java_build
 from test_java_device import write_features
 
@@ -185,7 +187,7 @@ def personalize_case(rng):
     return params, head(rng, C, d), train, held
 
 
-KINDS = {"fed3r.stats": fed3r_case, "fedavg.head": fedavg_case, "oll.personalize": personalize_case}
+KINDS = {"fed3r.stats": fuzz_windows.fed3r_stats_case, "fedavg.head": fedavg_case, "oll.personalize": personalize_case}
 SECURE_KINDS = ("fedavg.secure", "fed3r.secure", "scaffold.head.secure", "ditto.head.secure")   # tests/fuzz_secure.py
 STATEFUL_KINDS = ("scaffold.head", "ditto.head", "pp.head")      # tests/fuzz_stateful.py: two rounds a case
 ALL_KINDS = (*KINDS, *SECURE_KINDS, *STATEFUL_KINDS)
@@ -346,21 +348,20 @@ def compare_payloads(kind: str, case: tuple, results: dict, report: dict) -> Non
                 report["failures"].append((device, name, "differs by", diff, "tolerance", tol))
 
 
-def parse_for_aggregator(kind: str, msg, case) -> None:
-    """What the aggregator's parser says of a result (EnvelopeError if it refuses it)."""
+def parse_for_aggregator(kind: str, msg, case):
+    """What the aggregator's parser makes of a result (EnvelopeError if it refuses it)."""
     from protocols.payloads.fed3r import parse_stats
     from protocols.payloads.fedavg import parse_head_update
     from protocols.payloads.personalize import parse_report
 
     params = case[0]
     if kind == "fed3r.stats":
-        parse_stats(msg, case[2][0].shape[1] + int(params["fit_intercept"]), params["num_classes"],
-                    fit_intercept=params["fit_intercept"])
-    elif kind == "fedavg.head":
-        parse_head_update(msg, params["num_classes"], params["feature_dim"])
-    else:
-        parse_report(msg, params["num_classes"], with_fp=bool(params["fp_epochs"]),
-                     fp_lrs=tuple(params["fp_lrs"]) if params["fp_epochs"] else None)
+        return parse_stats(msg, case[2][0].shape[1] + int(params["fit_intercept"]), params["num_classes"],
+                           fit_intercept=params["fit_intercept"])
+    if kind == "fedavg.head":
+        return parse_head_update(msg, params["num_classes"], params["feature_dim"])
+    return parse_report(msg, params["num_classes"], with_fp=bool(params["fp_epochs"]),
+                        fp_lrs=tuple(params["fp_lrs"]) if params["fp_epochs"] else None)
 
 
 def failure_kinds(failures: list[tuple]) -> dict[str, int]:
@@ -430,6 +431,7 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
     cases, statuses, _, _ = fuzzed[kind]
     verifiers = {d: sender_verifier(keys[d].device_id, keys[d].public_key_bytes) for d in DEVICES}
     failures, worst, outcomes = [], 0.0, {"done": 0, "declined": 0}
+    windows = {"capped": 0, "streaming": 0}     # fed3r.stats: such windows every device answered
     for i, case in enumerate(cases):
         got = {d: statuses[d][i] for d in DEVICES}
         states = {d: got[d]["status"] for d in DEVICES}
@@ -443,11 +445,15 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
         for d in DEVICES:
             try:
                 results[d] = decode(Path(got[d]["result"]).read_bytes(), verifiers[d])
-                parse_for_aggregator(kind, results[d], case)
+                parsed = parse_for_aggregator(kind, results[d], case)
+                if kind == "fed3r.stats":          # the window each device answered: numpy's slice
+                    failures += [(i, d, *f) for f in fuzz_windows.check_answer(case, parsed)]
             except Exception as exc:        # a refused signature, or a result the aggregator refuses
                 failures.append((i, d, "refused here", repr(exc)))
         if len(results) < len(DEVICES):
             continue
+        for tag in fuzz_windows.window_tags(case[0], len(case[2][1])) if kind == "fed3r.stats" else ():
+            windows[tag] += 1
         report = {"failures": [], "worst": 0.0, "steps": got["java"].get("steps", 0),
                   "near_boundary": got["python"].get("margin", np.inf) < 1e-3,
                   # clipping's norms sum in another order on each device (numpy's pairwise sum): to tolerance
@@ -457,9 +463,12 @@ def test_python_torch_free_and_java_devices_agree_on_random_tasks(kind, fuzzed, 
         compare_payloads(kind, case, results, report)
         worst = max(worst, report["worst"])
         failures += [(i, *f) for f in report["failures"]]
-    print(f"{kind}: {CASES} cases, {outcomes}, worst difference / tolerance {worst:.3g}")
+    print(f"{kind}: {CASES} cases, {outcomes}, {f'answered by all {windows}, ' if kind == 'fed3r.stats' else ''}"
+          f"worst difference / tolerance {worst:.3g}")
     assert not failures, (failure_kinds(failures), failures[:5])
     assert outcomes["done"] >= CASES // 2
+    if kind == "fed3r.stats":      # caps below n and from_sample windows computed and compared, not all declined
+        assert min(windows.values()) >= CASES // 40, windows
     if kind == "fedavg.head":       # case 0: 10,000 epochs over 120 rows in batches of 1 (1.2 million steps)
         assert all(statuses[d][0]["status"] == "declined" and "1200000 SGD steps" in statuses[d][0]["reason"]
                    for d in DEVICES), {d: statuses[d][0] for d in DEVICES}

@@ -11,7 +11,8 @@
 //          <result.bin> [<held-out features>]"; each task's signature is verified under the aggregator's
 //          key, each result signed as device "java0"; prints "CASE <i>" and then what a single run prints
 //          (or "REFUSED <why>" for a task the codec refuses), per case. A secure kind's line is
-//          "<task.bin> <features> <result> <round config JSON>" (runSecure).
+//          "<task.bin> <features> <result> <round config JSON>" (runSecure). Each fed3r.stats and
+//          fed3r.secure case is a fresh device with a kept sample-window ledger (freshWindows).
 // fedavg.secure, fed3r.secure, scaffold.head.secure, ditto.head.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
@@ -90,9 +91,11 @@ public final class TaskRunner {
         // the stateful head tasks, on a store kept across runs (none without a state folder: they decline)
         DeviceStateStore store = args.length > 4 ? new DeviceStateStore(new java.io.File(args[4]),
                 args.length > 5 ? Long.parseLong(args[5]) : DeviceStateStore.DEFAULT_BUDGET_BYTES, () -> System.currentTimeMillis() / 1000.0) : null;
-        // Fed3R's sample windows, kept in the state folder across runs as a device keeps them across restarts
-        SampleWindows windows = store == null ? new SampleWindows()
-                : new SampleWindows(new java.io.File(store.root(), SampleWindows.NAME), SampleWindows.MIN_DIFFERENCE);
+        // Fed3R's sample windows, kept in the state folder across runs as a device keeps them across restarts;
+        // a batch's fed3r.stats case (signed) is a fresh device with a kept ledger (freshWindows)
+        SampleWindows windows = store != null
+                ? new SampleWindows(new java.io.File(store.root(), SampleWindows.NAME), SampleWindows.MIN_DIFFERENCE)
+                : signer != null && task.kind.equals(Fed3RStatsTask.KIND) ? freshWindows() : new SampleWindows();
         handlers.put(Fed3RStatsTask.KIND, new Fed3RStatsTask(data, new PrecomputedFeatures(data.dim),
                 Fed3RStatsTask.DEFAULT_MEMORY_BUDGET, windows));
         FeatureFile heldOut = args.length > 3 && !args[3].equals("-") ? FeatureFile.read(args[3]) : null;
@@ -132,9 +135,10 @@ public final class TaskRunner {
         return printed.toString();
     }
 
-    /** A fresh device's kept sample windows, one per case (tests/fuzz_device.py fresh_windows): without a
-     *  state folder a device answers only all its samples, so a DP case's cap would be declined by every
-     *  device alike and compared nowhere (tests/test_fuzz_capped_fed3r.py). Removed when the JVM ends. */
+    /** A fresh device's kept sample windows, one per fed3r.stats or fed3r.secure case (tests/fuzz_device.py
+     *  fresh_windows): without a state folder a device answers only all its samples, so a case's cap or
+     *  from_sample would be declined by every device alike and compared nowhere
+     *  (tests/test_fuzz_capped_fed3r.py, tests/fuzz_windows.py). Removed when the JVM ends. */
     static SampleWindows freshWindows() throws java.io.IOException {
         java.io.File folder = Files.createTempDirectory("fuzz-sample-windows-").toFile();
         java.io.File file = new java.io.File(folder, SampleWindows.NAME);
