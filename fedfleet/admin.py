@@ -36,7 +36,7 @@ from protocols.regular_file import read_regular_file
 from . import admin_deployments
 from .admin_ids import refused_id
 from .errors import UserError, load_json_file
-from .terminal_text import one_line, terminal_safe
+from .terminal_text import literal_line, one_line, terminal_safe
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -54,16 +54,17 @@ class AdminError(Exception):
 
 
 def error_detail(body: bytes) -> str:
-    """An error answer's ``detail`` (FastAPI's; a validation error's list as JSON), else its text,
-    as one line: the server's words may quote a device's (a decline reason, a profile), so their
-    controls are escaped and a body past ``MAX_ERROR_BYTES`` is cut."""
+    """An error answer's ``detail`` (FastAPI's; a validation error's list as its Python literal,
+    ``literal_line``), else its text, as one line: the server's words may quote a device's (a
+    decline reason, a profile), so their controls are escaped, once, and a body past
+    ``MAX_ERROR_BYTES`` is cut."""
     text = body[:MAX_ERROR_BYTES].decode(errors="replace")
     try:
         detail = json.loads(text)["detail"]
-    except (ValueError, TypeError, KeyError, RecursionError):
+        if not isinstance(detail, str):
+            return literal_line(detail)
+    except (ValueError, TypeError, KeyError, RecursionError):   # RecursionError: too deep for json or repr
         detail = text
-    if not isinstance(detail, str):
-        detail = json.dumps(detail)
     return one_line(detail + ("\u2026" if len(body) > MAX_ERROR_BYTES else ""))
 
 

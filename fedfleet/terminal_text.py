@@ -9,7 +9,9 @@ device of the device's choosing; ``terminal_safe`` over the whole text, whose ow
 tabs are the layout. A backslash is escaped (``\\\\``) by ``one_line`` only, so that a device's text
 ``\\n`` reads apart from an escaped newline: ``terminal_safe`` leaves backslashes as they are, since
 the values in its text are already escaped and doubling their escapes (``\\\\u202e``) would show
-every escaped control as a backslash and text."""
+every escaped control as a backslash and text. A value that is no string (a validation error's list)
+is shown as its Python literal (``literal_line``), whose strings ``repr`` escapes by the same rule,
+once: not its JSON text put through ``one_line``, which escaped them twice."""
 
 from __future__ import annotations
 
@@ -30,3 +32,15 @@ def one_line(value, max_chars: int = MAX_VALUE_CHARS) -> str:
     too, bidirectional overrides and invisible format characters as well (``\\u202e``), and each
     backslash (``\\\\``): a device's text ``\\n`` is never read as an escaped newline."""
     return log_text.one_line(value, max_chars)
+
+
+def literal_line(value, max_chars: int = MAX_VALUE_CHARS) -> str:
+    """A JSON value that is no string (FastAPI's validation error: a list of objects quoting what
+    was sent) on one line as its Python literal, cut to ``max_chars``. ``repr`` writes each string
+    in it quoted, every non-printable character and each backslash as its escape: ``one_line``'s
+    rule (``escaped_controls`` is ``repr``'s per character), so a person reads the text once
+    escaped, as ``one_line`` shows a string. Its JSON text put through ``one_line`` showed each
+    escape twice: a backslash as ``\\\\\\\\``, a newline as ``\\\\n``, an ``é`` as ``\\\\u00e9``.
+    RecursionError for a value nested past what ``repr`` writes."""
+    # escaped_controls: nothing for repr's text; kept so that no value's repr could ever bring a control
+    return escaped_controls(log_text.cut(repr(value), max_chars), keep="\\")

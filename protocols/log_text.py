@@ -52,10 +52,12 @@ def one_line(value, max_chars: int = MAX_RECORD_CHARS) -> str:
     """``str(value)`` cut to ``max_chars`` characters (the last one ``…`` where it was cut), then
     every non-printable character and every backslash escaped, newlines too: cut first, so an
     escape is never split."""
-    text = str(value)
-    if len(text) > max_chars:
-        text = text[:max_chars - 1] + CUT_MARK
-    return escaped_controls(text)
+    return escaped_controls(cut(str(value), max_chars))
+
+
+def cut(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars`` characters, the last one ``…`` where it was cut."""
+    return text if len(text) <= max_chars else text[:max_chars - 1] + CUT_MARK
 
 
 class OneLineFormatter(logging.Formatter):

@@ -7,6 +7,7 @@ A real HTTP server on loopback (``http.server``) answers as such a server would.
 
 from __future__ import annotations
 
+import ast
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -89,8 +90,27 @@ def test_an_error_detail_quoting_a_device_is_one_line_without_controls(server, c
     assert raw_controls(err) == [], err
     if isinstance(detail, str):                         # shown, escaped once
         assert "\\x1b]52" in err and "\\u202e" in err and "\\n2026-12-06" in err
-    else:                                               # the list as JSON (its own \\u escapes), then escaped
-        assert json.loads(err.split("HTTP 400: ", 1)[1].replace("\\\\", "\\")) == detail
+    else:                                               # the list as its Python literal: escaped once
+        assert ast.literal_eval(err.split("HTTP 400: ", 1)[1]) == detail
+
+
+def test_a_validation_errors_strings_are_shown_escaped_once(server, capsys):
+    """FastAPI's 422: ``detail`` a list of objects that quote what was sent. Shown as its JSON text
+    put through the one-line escaping, each escape came twice: the sent backslash as four, the
+    newline as ``\\\\n``, the ``é`` as ``\\\\u00e9``. Each string now reads as log_text shows
+    text: its backslash two, its newline ``\\n``, its ``é`` as it is."""
+    detail = [{"type": "string_pattern_mismatch", "loc": ["body", "tags", 0],
+               "msg": "String should match pattern '^[a-z]+$'", "input": "C:\\fleet\nnext caf\u00e9"}]
+    server.answer = (422, json.dumps({"detail": detail}).encode())
+    rc, err = admin_status(server, capsys)
+    assert rc == 1 and err.count("\n") == 1, err
+    shown = err.split("HTTP 422: ", 1)[1].rstrip("\n")
+    # written out by hand: each string quoted, its one backslash and its newline escaped once
+    assert shown == ("[{'type': 'string_pattern_mismatch', 'loc': ['body', 'tags', 0], "
+                     "'msg': \"String should match pattern '^[a-z]+$'\", "
+                     r"'input': 'C:\\fleet\nnext café'}]"), shown
+    assert ast.literal_eval(shown) == detail            # and it reads back as what was sent
+
 
 
 def test_an_error_body_past_its_bound_is_cut_and_a_plain_text_body_is_shown_as_text(server, capsys, monkeypatch):
