@@ -16,7 +16,6 @@ Over a real mosquitto (an attacker-minded review of what devices log):
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import re
@@ -30,6 +29,7 @@ import pytest
 import java_build
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from log_capture import logging_restored, process_log
 from ops_fleet import wait_for
 from protocols import messages as M
 from protocols.envelope import encode
@@ -52,27 +52,11 @@ def _no_raw_text(log: str) -> None:
     assert not any(line.startswith(FORGED[:23]) for line in log.splitlines()), log[-3000:]
 
 
-@contextlib.contextmanager
-def logging_restored():
-    """The root logger's handlers and level, and the exception hooks ``log_to_stderr`` sets, as they
-    were before, afterwards."""
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level, sys.excepthook, threading.excepthook
-    try:
-        yield root
-    finally:
-        root.handlers[:], root.level, sys.excepthook, threading.excepthook = saved
-
-
 @pytest.fixture
 def device_log():
-    """The process's logging as ``fedfleet device`` sets it up (``log_to_stderr``), its handler's
-    stream read back (a StringIO in place of stderr: pytest swaps stderr between a test's phases)."""
-    with logging_restored() as root:
-        log_to_stderr(level=logging.INFO, force=True)
-        stream = io.StringIO()
-        root.handlers[0].setStream(stream)
-        yield stream.getvalue
+    """The process's logging as ``fedfleet device`` sets it up (``log_to_stderr``), read back."""
+    with process_log() as read:
+        yield read
 
 
 def _python_device(broker, handlers) -> DeviceAgent:

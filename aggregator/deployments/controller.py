@@ -337,14 +337,14 @@ class DeploymentController(LinkWorker):
         if env is None:
             return
         if env.sender != device or not self._known(device):
-            return log.warning("deployment message from %r on %s refused: not that known device", env.sender, topic)
+            return log.warning("deployment message from %s on %s refused: not that known device", env.sender, topic)
         try:
             if env.type == ARTIFACT_GET:
                 self._on_fetch(device, parse_get(env))
             elif env.type == D.REPORT:
                 self._on_report(device, D.parse_report(env))
             else:
-                log.warning("deployment message of type %r from %s ignored", env.type[:40], device)
+                log.warning("deployment message of type %s from %s ignored", env.type[:40], device)
         except EnvelopeError as exc:
             log.warning("deployment message from %s refused: %s", device, exc)
 
@@ -368,7 +368,7 @@ class DeploymentController(LinkWorker):
         dep_id = report["deployment"]
         served = next((s for s in (self.active, self.settled) if s is not None and s.dep.deployment_id == dep_id), None)
         if served is None and self.table.get(dep_id) is None:      # counted only for a deployment that exists
-            return log.info("report from %s on unknown deployment %r ignored", device, dep_id)
+            return log.info("report from %s on unknown deployment %s ignored", device, dep_id)
         if report.get("refused"):
             self._count(dep_id, f"refused:{report['reason']}")
         sent = served.sent.get(device) if served is not None else None

@@ -203,10 +203,12 @@ class JobRunner:
         for message_id, error in self.writer.completed():
             held = self._held_acks.pop(message_id, [])
             if error is not None:
-                log.error("job %s: contribution %s not stored: %r", self.a.job_id, message_id, error)
+                # the error's words as they are (not its repr): the log and the admin CLI escape them once
+                why = f"{type(error).__name__}: {error}"
+                log.error("job %s: contribution %s not stored: %s", self.a.job_id, message_id, why)
                 self._held_acks.clear()
                 self.rebuilt = True             # this runner's job is void: it acts no more
-                return self.on_fatal(f"a contribution could not be stored: {error!r}")
+                return self.on_fatal(f"a contribution could not be stored: {why}")
             self.crash("contribution_stored")
             for act, round_ in held:
                 self._send_ack(act, round_)

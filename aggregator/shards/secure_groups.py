@@ -120,7 +120,7 @@ class ShardedSecureJob(CoordinatedJob):
 
     def _group_outcome(self, job_id: str, what: str, round_id: int, culprits: tuple[str, ...], *details: Any) -> None:
         if job_id != self.inner.config.job_id:
-            return log.info("a %s of job %r's secure round %d, not this job's: dropped", what, job_id, round_id)
+            return log.info("a %s of job %s's secure round %d, not this job's: dropped", what, job_id, round_id)
         # as one aggregator does: out of the later rounds, whether or not the round is still open here
         # (a round closed at its deadline while its host convicted them: dropped, they came back)
         self.inner.note_culprits(round_id, culprits)
