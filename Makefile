@@ -7,6 +7,9 @@
 #                 JVM or Ray cluster (tests/conftest.py marks those `integration`); about a minute
 #   make test-fuzz - (not part of make test; ~15 min) the differential fuzzer's Python, torch-free and Java
 #                 devices on 5,000 cases of every kind (the suite runs 400), on a fresh seed it prints
+#   make test-full - (not part of make test; about 2 minutes more) the whole suite with the parameter sets
+#                 make test leaves out for its time (tests/conftest.py VARIANTS: another parameter set of
+#                 each of those tests runs in make test)
 #   make test-ray - (not part of make test; tens of minutes) the shardable kinds on local shards and
 #                 on a two-node Ray cluster, against one aggregator, bit for bit
 #   make test-arm64 - (not part of make test; minutes) an aarch64 Debian userland run under qemu-user
@@ -22,7 +25,7 @@ DEVICE_VENV := .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-fast test-fuzz test-ray test-arm64 setup system-deps bench bench-flower clean java
+.PHONY: demo test test-full test-fast test-fuzz test-ray test-arm64 setup system-deps bench bench-flower clean java
 
 demo: setup
 	@echo "fedfleet: [demo 1/2] Fed3R -> FedAvg fine-tuning -> OLL on 100 emulated devices (plain aggregation)"
@@ -48,10 +51,13 @@ test: setup
 	$(BIN)/python tests/rewrite_cache.py
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 4 --dist loadfile --no-loadscope-reorder
 
+test-full:
+	FEDFLEET_ALL_VARIANTS=1 $(MAKE) test
+
 # every shardable kind on local shards and on the two-node Ray cluster (the suite runs the
 # representative ones: the others take the same paths, and minutes CI's two cores lack)
 test-ray: setup
-	FEDFLEET_RAY_ALL=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder \
+	FEDFLEET_RAY_ALL=1 FEDFLEET_ALL_VARIANTS=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder \
 	    tests/test_shards.py tests/test_shard_rounds.py tests/test_secure_shards_*.py tests/test_secure_ladd_shards.py \
 	    tests/test_shard_signatures.py
 

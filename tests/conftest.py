@@ -52,9 +52,60 @@ INTEGRATION_TESTS = (
 )
 
 
+# Parameter sets that `make test` leaves to `make test-full` (FEDFLEET_ALL_VARIANTS=1), for the suite's
+# time on CI's two cores: each is a variant whose code another parameter set of the same test runs
+# in make test (the EfficientNet-Lite0 export beside MobileNetV2's; a tail kind beside the secure
+# tail kind, which takes the same tail paths and secure aggregation too; central DP beside secure DP
+# through `simulate`; a shard SIGKILLed on Ray beside one SIGKILLed as a local process, on the same
+# restart path, while Ray's own shards run in test_shards.py's other Ray tests). Only parameter sets are listed, never a whole test: a collection that holds a
+# listed test's every parameter set must run one of them here, and an entry that names nothing
+# collected is stale; both are collection errors (``_check_variants``).
+# "file::test[params]" names one set; "file::test[prefix" those whose parameters start so.
+VARIANTS = (
+    "test_export_bundle.py::test_artifact_matches_eager_on_real_images[efficientnet_lite0",
+    "test_export_bundle.py::test_manifest_describes_every_file[efficientnet_lite0",
+    "test_crash_resume_kinds.py::test_job_created_through_the_api_resumes_after_sigkills_to_the_uninterrupted_model[fedavg-tail]",
+    "test_shard_rounds.py::test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit[scaffold-tail]",
+    "test_secure_shards_parity.py::test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bit[fedavg-tail-secure]",
+    "test_simulation_e2e.py::test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices[central]",
+    "test_shards.py::test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit[ray]",
+)
+ALL_VARIANTS = os.environ.get("FEDFLEET_ALL_VARIANTS") == "1"
+
+
+def _names(item) -> str:
+    return f"{item.path.name}::{item.name}"
+
+
+def _matches(name: str, entry: str) -> bool:
+    return name == entry if entry.endswith("]") else name.startswith(entry)
+
+
 def _listed(item) -> bool:
-    name = f"{item.path.name}::{item.name}"
+    name = _names(item)
     return any(name.startswith(t if "[" in t else t + "[") or name == t for t in INTEGRATION_TESTS)
+
+
+def _variant(item) -> bool:
+    return any(_matches(_names(item), entry) for entry in VARIANTS)
+
+
+def _check_variants(config, items) -> None:
+    """VARIANTS' rules, on a collection of the whole suite (a -k, -m or a file given may select a
+    variant alone): every entry names a parameter set collected, and every listed test keeps one
+    parameter set that is no variant."""
+    assert all("[" in entry for entry in VARIANTS), "VARIANTS lists parameter sets, never a whole test"
+    if config.args != [str(config.rootpath / "tests")] and config.args not in ([], ["tests"]) \
+            or config.option.keyword or config.option.markexpr:
+        return
+    for entry in VARIANTS:
+        matched = [item for item in items if _matches(_names(item), entry)]
+        if not matched:
+            raise pytest.UsageError(f"tests/conftest.py VARIANTS: {entry!r} names no collected test")
+        function = {(item.path, item.originalname) for item in matched}
+        if all(_variant(item) for item in items if (item.path, item.originalname) in function):
+            raise pytest.UsageError(f"tests/conftest.py VARIANTS: {entry!r} leaves no parameter set of its "
+                                    "test to make test")
 
 
 @functools.cache
@@ -67,6 +118,10 @@ def pytest_collection_modifyitems(config, items):
         if (INTEGRATION_FIXTURES.intersection(item.fixturenames) or item.get_closest_marker("slow")
                 or _file_starts_something(item.path) or _listed(item)):
             item.add_marker(pytest.mark.integration)
+    _check_variants(config, items)
+    if not ALL_VARIANTS:
+        for item in filter(_variant, items):
+            item.add_marker(pytest.mark.skip(reason="make test-full runs it (tests/conftest.py VARIANTS)"))
     _slow_files_first(items)
 
 
