@@ -17,8 +17,12 @@ drifts 2.6e-5, past the 1e-5 once asserted. HEAD_ATOL = 1e-5 stays for the fleet
 
 from __future__ import annotations
 
+import atexit
+import os
+import select
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,11 +41,67 @@ def java_cp() -> str:
 
 
 def java(java_cp: str, *args) -> str:
+    """What ``java TaskRunner ARGS`` prints, run in this worker's one TaskRunner JVM (``--serve``):
+    a JVM started per run cost about half a CPU-second, ~90 times a suite. A run that throws fails
+    the test with its stack trace, as the JVM's exit status did."""
+    status, text = _served(java_cp).run([str(a) for a in args])
+    assert status == "OK", text[-3000:]
+    return text
+
+
+class ServedTaskRunner:
+    """One ``TaskRunner --serve`` JVM: a run's arguments a tab-separated line on its stdin, its
+    answer "OK|FAILED <bytes>" and that many bytes on its stdout."""
+
     # a hang guard, not a speed bound: 20,000 PTRS draws took 15-33 s on a loaded 2-core machine
-    proc = subprocess.run(java_build.java_command("-cp", java_cp, "TaskRunner", *map(str, args)), capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    TIMEOUT_S = 240
+
+    def __init__(self, java_cp: str):
+        self.proc = subprocess.Popen(java_build.java_command("-cp", java_cp, "TaskRunner", "--serve"),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.buffer = b""
+
+    def run(self, args: list[str]) -> tuple[str, str]:
+        assert not any(c in a for a in args for c in "\t\n"), args
+        self.proc.stdin.write(("\t".join(args) + "\n").encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + self.TIMEOUT_S
+        head = self._read_until(lambda: b"\n" in self.buffer, deadline)
+        line, _, self.buffer = head.partition(b"\n")
+        status, size = line.decode().split(" ")
+        self._read_until(lambda: len(self.buffer) >= int(size), deadline)
+        body, self.buffer = self.buffer[:int(size)], self.buffer[int(size):]
+        return status, body.decode()
+
+    def _read_until(self, enough, deadline: float) -> bytes:
+        while not enough():
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else b""
+            if not chunk:
+                self.close()
+                raise AssertionError("TaskRunner's JVM " + ("ended" if ready else f"took over {self.TIMEOUT_S} s"))
+            self.buffer += chunk
+        return self.buffer
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+_SERVED: dict[str, ServedTaskRunner] = {}         # this worker's JVM per classpath
+
+
+def _served(java_cp: str) -> ServedTaskRunner:
+    runner = _SERVED.get(java_cp)
+    if runner is None or runner.proc.poll() is not None:
+        runner = _SERVED[java_cp] = ServedTaskRunner(java_cp)
+    return runner
+
+
+@atexit.register
+def _stop_served() -> None:
+    for runner in _SERVED.values():
+        runner.close()
 
 
 def device_data(i: int, n: int = 37) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,10 @@
 //          (or "REFUSED <why>" for a task the codec refuses), per case. A secure kind's line is
 //          "<task.bin> <features> <result> <round config JSON>" (runSecure). Each fed3r.stats and
 //          fed3r.secure case is a fresh device with a kept sample-window ledger (freshWindows).
+//        java TaskRunner --serve: one JVM for a test worker's single runs (tests/java_tasks.py java()):
+//          each line of stdin is one run's arguments, tab-separated; each answer on stdout is
+//          "OK <n>" or "FAILED <n>" and then n bytes (UTF-8) of what that run prints, or of its stack
+//          trace. Starting a JVM per run cost about half a CPU-second, and ~90 runs a suite.
 // fedavg.secure, fed3r.secure, scaffold.head.secure, ditto.head.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
@@ -27,15 +31,48 @@ import org.fedfleet.wire.*;
 
 public final class TaskRunner {
     public static void main(String[] args) throws Exception {
+        if (args.length == 1 && args[0].equals("--serve")) {
+            serve();
+            return;
+        }
+        System.out.print(run(args));
+    }
+
+    /** --serve: one run per line of stdin (its arguments tab-separated), each answer framed by its
+     *  byte count. What the library writes to System.out meanwhile goes to stderr: stdout carries
+     *  the frames only. */
+    static void serve() throws java.io.IOException {
+        java.io.PrintStream frames = System.out;
+        System.setOut(System.err);
+        java.io.BufferedReader in = new java.io.BufferedReader(new java.io.InputStreamReader(System.in, "UTF-8"));
+        for (String line; (line = in.readLine()) != null; ) {
+            String status = "OK", text;
+            try {
+                text = run(line.split("\t", -1));
+            } catch (Throwable e) {
+                java.io.StringWriter trace = new java.io.StringWriter();
+                e.printStackTrace(new java.io.PrintWriter(trace));
+                status = "FAILED";
+                text = trace.toString();
+            }
+            byte[] bytes = text.getBytes("UTF-8");
+            frames.print(status + " " + bytes.length + "\n");
+            frames.write(bytes, 0, bytes.length);
+            frames.flush();
+        }
+    }
+
+    /** One run (main's arguments): what it prints. */
+    static String run(String[] args) throws Exception {
         if (args[0].equals("--skellam")) {        // draws of the DP noise on the integer grid
             DpRound dp = DpRound.of(Double.parseDouble(args[1]), 0);
             int count = Integer.parseInt(args[2]);
             StringBuilder out = new StringBuilder("NOISE");
             for (double x : new SkellamNoise().add(new double[count], dp, count)) out.append(' ').append((long) x);
-            System.out.println(out);
-            return;
+            return out.append('\n').toString();
         }
         if (args[0].equals("--sample-order")) {
+            StringBuilder out = new StringBuilder();
             List<?> cases = (List<?>) Json.parse(new String(Files.readAllBytes(Paths.get(args[1])), "UTF-8"));
             for (int i = 0; i < cases.size(); i++) {
                 @SuppressWarnings("unchecked") Map<String, Object> c = (Map<String, Object>) cases.get(i);
@@ -48,9 +85,9 @@ public final class TaskRunner {
                     same = w.size() == got.get(b).length;
                     for (int k = 0; same && k < w.size(); k++) same = ((BigInteger) w.get(k)).intValue() == got.get(b)[k];
                 }
-                System.out.println("ORDER " + i + (same ? " ok" : " differs"));
+                out.append("ORDER ").append(i).append(same ? " ok" : " differs").append('\n');
             }
-            return;
+            return out.toString();
         }
         if (args[0].equals("--batch")) {
             byte[] aggregatorKey = Envelope.unhex(args[2]);
@@ -72,10 +109,9 @@ public final class TaskRunner {
                         || kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND) || kind.equals(SecureStatefulHeadTask.DITTO_KIND);
                 out.append(secure ? runSecure(msg, c) : runTask(msg, c, device));
             }
-            System.out.print(out);
-            return;
+            return out.toString();
         }
-        System.out.print(runTask(Envelope.decode(Files.readAllBytes(Paths.get(args[0]))), args, null));
+        return runTask(Envelope.decode(Files.readAllBytes(Paths.get(args[0]))), args, null);
     }
 
     /** The handler of the task's kind on the features args[1] (held-out args[3]); the result goes
