@@ -4,8 +4,8 @@
 device started (a captured task re-published), and that last task too once it was answered, and
 declines an expired task once per job. That
 memory is a few dozen small entries; kept only in the process, a restarted device would run a
-captured task once more while its deadline lasts. A device with a state folder (``fedfleet device
---state-dir``) keeps it there, in ``session.json``:
+captured task once more while its deadline lasts. A device with a state folder (``fedfleet device``'s by
+default, or ``--state-dir``) keeps it there, in ``session.json``:
 
 * written atomically (``protocols.files.write_atomic``: synced temp file, rename, folder synced)
   each time it changes, *before* the task's work starts, so a device killed mid-task still skips

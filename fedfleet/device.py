@@ -46,15 +46,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the local data kept out of all training, for personalization (OLL) reports; "
                         "0 disables personalization tasks")
     p.add_argument("--seed", type=int, default=0, help="seed of the local train / held-out split")
-    p.add_argument("--state-dir", type=Path, default=None,
-                   help="where this device keeps per-job state between rounds (partial personalization's personal "
-                        "part, Scaffold's control variate) and the windows of samples its Fed3R answers covered: "
-                        "stateful tasks need it, and so do Fed3R tasks over fewer than all its samples (DP caps, "
-                        "streaming) (default: none, they are declined)")
+    kept = p.add_mutually_exclusive_group()
+    kept.add_argument("--state-dir", type=Path, default=None,
+                      help="where this device keeps per-job state between rounds (partial personalization's "
+                           "personal part, Scaffold's control variate) and the windows of samples its Fed3R answers "
+                           "covered: stateful tasks need it, and so do Fed3R tasks over fewer than all its samples "
+                           "(DP caps, streaming); created with mode 0700 (default: $FEDFLEET_STATE_HOME/ID, else "
+                           "$XDG_STATE_HOME/fedfleet/devices/ID, else ~/.local/state/fedfleet/devices/ID)")
+    kept.add_argument("--no-state", action="store_true",
+                      help="keep no state folder: stateful tasks and Fed3R tasks over fewer than all its samples "
+                           "are declined")
     p.add_argument("--state-budget-mb", type=float, default=16.0,
-                   help="the most state all jobs together may keep in --state-dir; a job needing more is declined")
+                   help="the most state all jobs together may keep in the state folder; a job needing more is "
+                        "declined")
     p.add_argument("--forget-state", action="store_true",
-                   help="delete every job's state in --state-dir and exit (the operator forgot this device)")
+                   help="delete every job's state in the state folder (--state-dir, else the default) and exit "
+                        "(the operator forgot this device)")
     p.add_argument("--identity", type=Path, default=None,
                    help="this device's Ed25519 private key (PEM): sign every message, take part in secure rounds")
     p.add_argument("--deployments", type=Path, default=None, metavar="DIR",
@@ -132,6 +139,7 @@ def run_device(args) -> int:
     if args.forget_state:
         return forget_state(args)
     _check_device_arguments(args)
+    state_folder(args, create=True)
     images, labels = _local_images(args)
     train_idx, holdout_idx = train_holdout_split(np.arange(len(labels)), args.holdout_fraction, args.seed)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
@@ -259,8 +267,27 @@ def _signing(args, identity, handlers: dict) -> tuple:
     return identity.sign, secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
 
 
+def state_folder(args, create: bool) -> Path | None:
+    """The device's state folder, put in ``args.state_dir``: --state-dir, else the device's own
+    default folder (``fedfleet/device_state_path.py``); None with --no-state. ``create``: made (mode
+    0700) if missing, and said once where the state lives."""
+    from .device_state_path import default_state_dir, make_private_dir
+
+    if args.no_state:
+        if create:
+            print(f"device {args.id} keeps no state (--no-state): stateful tasks and Fed3R tasks over fewer than "
+                  "all its samples are declined", flush=True)
+        return None
+    if args.state_dir is None:
+        args.state_dir = default_state_dir(args.id)
+    if create:
+        make_private_dir(args.state_dir)
+        print(f"device {args.id} keeps its state in {args.state_dir}", flush=True)
+    return args.state_dir
+
+
 def state_store(args):
-    """The device's per-job state store (``edge_client.state``) in --state-dir, or None."""
+    """The device's per-job state store (``edge_client.state``) in its state folder, or None."""
     from edge_client.state import DeviceStateStore
 
     from .errors import UserError
@@ -275,12 +302,18 @@ def state_store(args):
 def forget_state(args) -> int:
     from .errors import UserError
 
-    if args.state_dir is None:
-        raise UserError("--forget-state needs --state-dir")
+    if args.no_state:
+        raise UserError("--forget-state with --no-state: there is no state folder to forget")
+    if args.state_dir is None and args.id is None and args.credentials:
+        apply_credentials(args)             # the device id names its default folder
+    if args.state_dir is None and args.id is None:
+        raise UserError("--forget-state needs --id (or --credentials) to find the device's state folder, "
+                        "or --state-dir DIR")
+    folder = state_folder(args, create=False)
     from edge_client.state import DeviceStateStore
 
-    gone = DeviceStateStore(args.state_dir).forget() if args.state_dir.exists() else 0
-    print(f"device state in {args.state_dir}: {gone} file(s) removed", flush=True)
+    gone = DeviceStateStore(folder).forget() if folder.exists() else 0
+    print(f"device state in {folder}: {gone} file(s) removed", flush=True)
     return 0
 
 

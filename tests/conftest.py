@@ -1,5 +1,6 @@
 import collections
 import functools
+import itertools
 import os
 import re
 import sys
@@ -197,6 +198,17 @@ def broker():
         pytest.fail(str(exc))
     with MosquittoBroker() as b:
         yield b
+
+
+@pytest.fixture(autouse=True)
+def _device_state_home(tmp_path_factory, monkeypatch):
+    """``fedfleet device`` keeps its state under $FEDFLEET_STATE_HOME by default: each test's own
+    folder (made only when a device writes there), never the real home; subprocesses inherit it."""
+    monkeypatch.setenv("FEDFLEET_STATE_HOME", str(tmp_path_factory.getbasetemp() / "device-state" /
+                                                 f"{os.getpid()}-{next(_STATE_HOMES)}"))
+
+
+_STATE_HOMES = itertools.count()
 
 
 @pytest.fixture(scope="session")

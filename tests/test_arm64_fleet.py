@@ -133,7 +133,9 @@ class DeviceProcesses:
 def python_device_argv(dev: str, data: dict, broker, tmp_path: Path) -> list[str]:
     return ["-m", "fedfleet.cli", "device", "--id", dev, "--broker", broker.url, "--idx", *map(str, data["idx"]),
             "--runtime", "onnxruntime", "--threads", "1", "--bundle-dir", str(tmp_path / dev / "bundles"),
-            "--cache-dir", str(data["cache"])]
+            "--cache-dir", str(data["cache"]),
+            # named: an ARM64 device's environment is clean (tests/arm64/python.sh), no FEDFLEET_STATE_HOME
+            "--state-dir", str(tmp_path / dev / "state")]
 
 
 def write_feature_file(path: Path, Z: np.ndarray, y: np.ndarray) -> Path:

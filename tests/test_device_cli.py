@@ -5,10 +5,14 @@ A Fed3R-Sync job (secure aggregation) must give the centralized ridge solution o
 *training* splits (recomputed here from the same images), and a personalization job must report
 counts over exactly their held-out splits."""
 
+import json
+import os
+import stat
 import struct
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +147,48 @@ def test_a_device_joins_from_the_credentials_enrolment_returned(broker, tmp_path
         out = proc.communicate(timeout=30)[0]
     assert result["state"] == "done" and list(result["contributed"]) == ["cam-z"], out[-2000:]
     assert result["contributed"]["cam-z"] == PER_DEVICE and result["rejections"] == {}
+
+
+def test_a_device_keeps_its_state_by_default_and_declines_without_it(broker, tmp_path):
+    """`fedfleet device` with no state option keeps a private folder of its own, $FEDFLEET_STATE_HOME/<id>
+    (the suite's conftest points it at a temporary folder): a Fed3R job capping each device to 20 of its
+    50 samples (a window the device must write down in its sample-window ledger) is answered. The same
+    device with --no-state declines it as a device without a state folder did."""
+    from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+    from aggregator.storage.store import Store
+    from edge_client.sample_windows import WINDOWS_FILE, unkept_reason
+
+    images, labels = load_fashion_mnist("train")
+    flags = {"cam-kept": [], "cam-unkept": ["--no-state"]}
+    procs = []
+    for i, (dev, extra) in enumerate(flags.items()):
+        x, y = device_data(images, labels, (0, 1, 2), i)
+        write_idx(tmp_path / f"{dev}-images.idx", x)
+        write_idx(tmp_path / f"{dev}-labels.idx", y)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "fedfleet.cli", "device", "--id", dev, "--broker", broker.url,
+             "--idx", str(tmp_path / f"{dev}-images.idx"), str(tmp_path / f"{dev}-labels.idx"),
+             "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--holdout-fraction", "0", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    config = Fed3RConfig(num_classes=10, backbone="mobilenet_v2", image_size=SIZE,
+                         weights_sha256=weights_sha256("mobilenet_v2"), feature_clip_norm=1e3, max_samples=20,
+                         expected_devices=2, clients_per_round=2, max_attempts=1, round_timeout_s=120)
+    store = Store(tmp_path / "state.db")
+    svc = AggregatorService(Fed3RJob(config), BrokerConfig.from_url(broker.url), tmp_path / "out",
+                            ServiceSettings(evaluate_every_contribution=False), store=store, enrolled=set(flags))
+    try:
+        result = svc.run(timeout_s=180)
+    finally:
+        for p in procs:
+            p.terminate()
+        out = {dev: p.communicate(timeout=30)[0] for dev, p in zip(flags, procs)}
+    assert result["contributed"] == {"cam-kept": 20}, (result, out)
+    reasons = [e["reason"] for r in (1, 2) for e in store.round_events(config.job_id, r) if e["device"] == "cam-unkept"]
+    assert unkept_reason(0, 20, PER_DEVICE) in reasons, (reasons, out["cam-unkept"][-2000:])
+
+    folder = Path(os.environ["FEDFLEET_STATE_HOME"]) / "cam-kept"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert json.loads((folder / WINDOWS_FILE).read_text()) == {"boundaries": [0, 20]}
+    assert f"device cam-kept keeps its state in {folder}\n" in out["cam-kept"]
+    assert "device cam-unkept keeps no state (--no-state)" in out["cam-unkept"]
+    assert not (folder.parent / "cam-unkept").exists()

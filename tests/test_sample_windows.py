@@ -38,7 +38,7 @@ def data(n: int = 40, seed: int = 0):
 
 
 def device(x, y, windows: SampleWindowLedger | None = None) -> Fed3RStatsTask:
-    if windows is None:                 # the device's default: no state folder (tests/test_sample_windows_closed.py)
+    if windows is None:                 # no state folder (--no-state; tests/test_sample_windows_closed.py)
         return Fed3RStatsTask(x, y, lambda *a: Features())
     return Fed3RStatsTask(x, y, lambda *a: Features(), windows=windows)
 
