@@ -304,8 +304,8 @@ def forget_state(args) -> int:
 
     if args.no_state:
         raise UserError("--forget-state with --no-state: there is no state folder to forget")
-    if args.state_dir is None and args.id is None and args.credentials:
-        apply_credentials(args)             # the device id names its default folder
+    if args.state_dir is None and args.credentials:
+        apply_credentials(args)             # the device id names its default folder (an --id it contradicts: refused)
     if args.state_dir is None and args.id is None:
         raise UserError("--forget-state needs --id (or --credentials) to find the device's state folder, "
                         "or --state-dir DIR")

@@ -6,6 +6,7 @@ is privacy state, and the personal parts are the device's own model)."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -43,9 +44,10 @@ def _home() -> Path:
 
 def make_private_dir(path: Path) -> None:
     """Create ``path`` and each missing folder above it with mode 0700 (the XDG spec's mode; the
-    umask is not consulted). A folder that exists keeps its mode: the operator may have chosen it."""
-    missing = [folder for folder in (path, *path.parents) if not folder.exists()]
+    umask is not consulted). A folder that exists keeps its mode: the operator may have chosen it,
+    but not one that another user could write to or replace (``check_private``)."""
     try:
+        missing = [folder for folder in (path, *path.parents) if not folder.exists()]   # (ENAMETOOLONG)
         for folder in reversed(missing):
             try:
                 folder.mkdir(mode=0o700)
@@ -54,6 +56,25 @@ def make_private_dir(path: Path) -> None:
             folder.chmod(0o700)
         if not path.is_dir():
             raise NotADirectoryError(f"{path} is not a folder")
+        check_private(path)
     except OSError as exc:      # a read-only home (EROFS), no permission, a file in the way
         raise UserError(f"cannot create the device's state folder {path}: {exc.strerror or exc}; {CHOICES}") \
             from None
+
+
+def check_private(path: Path) -> None:
+    """Refuse a state folder that someone else could change, as ssh refuses a loose ~/.ssh: the
+    folder (symlinks followed) and every folder above it owned by this user or root, none writable
+    by group or others, but for one above it with the sticky bit (/tmp), whose entries only their
+    owner may rename. A shared FEDFLEET_STATE_HOME=/tmp/fleet made by another user let that user
+    swap the device's folder, or its sample-window ledger (privacy state), for one of theirs."""
+    real = Path(os.path.realpath(path))
+    for folder in (real, *real.parents):
+        st = folder.stat()
+        if st.st_uid not in (0, os.geteuid()):
+            why = f"{folder} belongs to another user (uid {st.st_uid}; chown it, or choose another folder)"
+        elif st.st_mode & 0o022 and (folder == real or not st.st_mode & stat.S_ISVTX):
+            why = f"{folder} is writable by {'its group' if st.st_mode & 0o020 else 'others'} (chmod go-w it)"
+        else:
+            continue
+        raise UserError(f"the device's state folder {path} is not private: {why}; {CHOICES}")

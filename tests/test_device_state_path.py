@@ -62,10 +62,12 @@ def test_the_folder_and_those_made_above_it_are_private(tmp_path):
     assert stat.S_IMODE((tmp_path / "kept").stat().st_mode) == 0o755
 
 
-@pytest.mark.parametrize("blocked", ["a file in the way", "a read-only file system"])
+@pytest.mark.parametrize("blocked", ["a file in the way", "a read-only file system", "a name too long"])
 def test_a_state_home_where_nothing_can_be_made_is_one_line(blocked, tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("FEDFLEET_STATE_HOME", str(tmp_path / "file" / "fleet"))
+    if blocked == "a name too long":                     # ENAMETOOLONG from the first stat: was a traceback
+        monkeypatch.setenv("FEDFLEET_STATE_HOME", str(tmp_path / ("a" * 300)))
     if blocked == "a read-only file system":             # the tests run as root: no mode refuses them
         monkeypatch.setenv("FEDFLEET_STATE_HOME", str(tmp_path / "home"))
 
@@ -97,3 +99,64 @@ def test_forget_state_uses_the_default_folder(tmp_path, monkeypatch, capsys):
                         (["--id", "cam1", "--no-state", "--forget-state"], "no state folder to forget")):
         assert main(["device", "--idx", "a", "b", *argv]) != 0
         assert words in capsys.readouterr().err
+
+
+def _loose(tmp_path: Path, how: str) -> Path:
+    """A device's default folder (under $FEDFLEET_STATE_HOME) that another user could change."""
+    home = tmp_path / "fleet"
+    home.mkdir(mode=0o700)
+    if how == "the folder writable by others":
+        (home / "cam1").mkdir()
+        (home / "cam1").chmod(0o777)
+    elif how == "the folder writable by its group":
+        (home / "cam1").mkdir()
+        (home / "cam1").chmod(0o770)
+    elif how == "the folder another user's":
+        (home / "cam1").mkdir(mode=0o700)
+        os.chown(home / "cam1", 4242, -1)
+    elif how == "a symlink to another user's folder":
+        (tmp_path / "theirs").mkdir(mode=0o700)
+        os.chown(tmp_path / "theirs", 4242, -1)
+        (home / "cam1").symlink_to(tmp_path / "theirs")
+    else:                                                  # one above it that others may write to (no sticky bit)
+        home.chmod(0o777)
+    return home
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (the suite runs as root)")
+@pytest.mark.parametrize("how", ["the folder writable by others", "the folder writable by its group",
+                                 "the folder another user's", "a symlink to another user's folder",
+                                 "a folder above it writable by others"])
+def test_a_state_folder_another_user_could_change_is_refused_in_one_line(how, tmp_path, monkeypatch, capsys):
+    """As ssh refuses a loose ~/.ssh: another user who could write the folder, or rename it and put
+    their own in its place, could roll the sample-window ledger back or read the personal parts."""
+    monkeypatch.setenv("FEDFLEET_STATE_HOME", str(_loose(tmp_path, how)))
+    assert main(["device", "--id", "cam1", "--idx", "a", "b"]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "state folder" in err[0] and "is not private" in err[0], err
+    assert "--state-dir" in err[0] and "Traceback" not in err[0]
+
+
+def test_a_shared_sticky_folder_above_is_fine(tmp_path):
+    """/tmp's kind (others may write, only an entry's owner may rename it): the device's own folder
+    in it is made private and taken."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared").chmod(0o1777)
+    make_private_dir(tmp_path / "shared" / "cam1")
+    assert stat.S_IMODE((tmp_path / "shared" / "cam1").stat().st_mode) == 0o700
+
+
+def test_forget_state_refuses_an_id_the_credentials_contradict(tmp_path, monkeypatch, capsys):
+    """--id cam1 with cam2's enrolment: `fedfleet device` refuses it at start, so --forget-state must
+    too, not empty cam1's folder (it did, the credentials unread once an --id was given)."""
+    monkeypatch.setenv("FEDFLEET_STATE_HOME", str(tmp_path / "fleet"))
+    for device in ("cam1", "cam2"):
+        DeviceStateStore(tmp_path / "fleet" / device).save("job-1", "ab" * 8, 1, {"c": np.zeros(3, np.float32)})
+    creds = tmp_path / "cam2.credentials.json"
+    creds.write_text('{"device_id": "cam2", "mqtt_username": "cam2", "mqtt_password": "pw"}')
+    assert main(["device", "--id", "cam1", "--credentials", str(creds), "--idx", "a", "b", "--forget-state"]) != 0
+    assert "differs from the credentials' device 'cam2'" in capsys.readouterr().err
+    assert DeviceStateStore(tmp_path / "fleet" / "cam1").jobs() == ["job-1"]
+    assert main(["device", "--credentials", str(creds), "--idx", "a", "b", "--forget-state"]) == 0
+    assert DeviceStateStore(tmp_path / "fleet" / "cam2").jobs() == [] and \
+        DeviceStateStore(tmp_path / "fleet" / "cam1").jobs() == ["job-1"]
