@@ -15,10 +15,16 @@ once: not its JSON text put through ``one_line``, which escaped them twice."""
 
 from __future__ import annotations
 
+import re
+
 from protocols import log_text
 from protocols.log_text import escaped_controls
 
 MAX_VALUE_CHARS = 500       # one value as printed: a device's reason is at most 500 when it comes
+# the end of an escape that a cut left half ("\u20", "\x1", an odd backslash) before the cut mark: the
+# backslash pairs before it are whole escapes and stay (group 1)
+HALF_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\(?:x[0-9a-f]?|u[0-9a-f]{0,3}|U[0-9a-f]{0,7})?(?=" +
+                         log_text.CUT_MARK + r"\Z)")
 
 
 def terminal_safe(text: str) -> str:
@@ -42,5 +48,8 @@ def literal_line(value, max_chars: int = MAX_VALUE_CHARS) -> str:
     escaped, as ``one_line`` shows a string. Its JSON text put through ``one_line`` showed each
     escape twice: a backslash as ``\\\\\\\\``, a newline as ``\\\\n``, an ``é`` as ``\\\\u00e9``.
     RecursionError for a value nested past what ``repr`` writes."""
+    # cut after repr's escaping (one_line cuts before its own): an escape cut in two is dropped whole,
+    # never shown as "\u20…" or as a lone backslash escaping the cut mark
+    shown = HALF_ESCAPE.sub(r"\1", log_text.cut(repr(value), max_chars))
     # escaped_controls: nothing for repr's text; kept so that no value's repr could ever bring a control
-    return escaped_controls(log_text.cut(repr(value), max_chars), keep="\\")
+    return escaped_controls(shown, keep="\\")

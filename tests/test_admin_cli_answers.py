@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -111,6 +112,30 @@ def test_a_validation_errors_strings_are_shown_escaped_once(server, capsys):
                      r"'input': 'C:\\fleet\nnext café'}]"), shown
     assert ast.literal_eval(shown) == detail            # and it reads back as what was sent
 
+
+# one unit of repr's text: an escape (\\ \' \n \xhh \uhhhh \Uhhhhhhhh) or one character
+REPR_UNIT = re.compile(r"\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8}|.)|.", re.S)
+
+
+def test_a_validation_list_cut_short_never_splits_an_escape(server, capsys):
+    """repr escapes first, then the list is cut at 500 characters: a cut inside an escape showed
+    its half ("\\u20…"), or a backslash of a pair alone before the cut mark. At every length the
+    shown text is whole units of repr's (REPR_UNIT), at most one escape short of the bound."""
+    from fedfleet.terminal_text import literal_line
+
+    detail = [{"msg": "C:\\fleet\u202e\x1b\U000e0041'\n", "input": ["\\" * 7, "\u2066\x85" * 5]}]
+    text = repr(detail)
+    ends = {0}
+    for unit in REPR_UNIT.finditer(text):
+        ends.add(unit.end())
+    for max_chars in range(2, len(text)):
+        shown = literal_line(detail, max_chars)
+        assert shown.endswith("\u2026") and text.startswith(shown[:-1]), (max_chars, shown)
+        assert len(shown) - 1 in ends and len(shown) > max_chars - 10, (max_chars, shown)
+    # through the CLI: the 422's list past 500 characters
+    server.answer = (422, json.dumps({"detail": [{"msg": "x" * 480 + "\u202e" * 9}]}).encode())
+    rc, err = admin_status(server, capsys)
+    assert rc == 1 and err.rstrip("\n").endswith("x\\u202e\u2026"), err          # not "\\u202e\\u2…"
 
 
 def test_an_error_body_past_its_bound_is_cut_and_a_plain_text_body_is_shown_as_text(server, capsys, monkeypatch):
