@@ -18,6 +18,7 @@ drifts 2.6e-5, past the 1e-5 once asserted. HEAD_ATOL = 1e-5 stays for the fleet
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import select
 import subprocess
@@ -63,13 +64,19 @@ class ServedTaskRunner:
 
     def run(self, args: list[str]) -> tuple[str, str]:
         assert not any(c in a for a in args for c in "\t\n"), args
-        self.proc.stdin.write(("\t".join(args) + "\n").encode())
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + self.TIMEOUT_S
-        head = self._read_until(lambda: b"\n" in self.buffer, deadline)
-        line, _, self.buffer = head.partition(b"\n")
-        status, size = line.decode().split(" ")
-        self._read_until(lambda: len(self.buffer) >= int(size), deadline)
+        try:
+            self.proc.stdin.write(("\t".join(args) + "\n").encode())
+            self.proc.stdin.flush()
+            deadline = time.monotonic() + self.TIMEOUT_S
+            head = self._read_until(lambda: b"\n" in self.buffer, deadline)
+            line, _, self.buffer = head.partition(b"\n")
+            status, size = line.decode().split(" ")
+            self._read_until(lambda: len(self.buffer) >= int(size), deadline)
+        except BaseException:
+            # a run left unread (pytest-timeout's signal, a ^C, a garbled frame): its answer would be
+            # read as the next test's, so the next run gets a fresh JVM
+            self.close()
+            raise
         body, self.buffer = self.buffer[:int(size)], self.buffer[int(size):]
         return status, body.decode()
 
@@ -84,8 +91,15 @@ class ServedTaskRunner:
         return self.buffer
 
     def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        """Its stdin closed, the JVM ends its serve loop and runs its exit hooks (freshWindows'
+        temporary folders go); killed if it does not end soon (a hung run)."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 _SERVED: dict[str, ServedTaskRunner] = {}         # this worker's JVM per classpath
