@@ -54,11 +54,14 @@ INTEGRATION_TESTS = (
 
 
 # Parameter sets that `make test` leaves to `make test-full` (FEDFLEET_ALL_VARIANTS=1), for the suite's
-# time on CI's two cores: each is a variant whose code another parameter set of the same test runs
-# in make test (the EfficientNet-Lite0 export beside MobileNetV2's; a tail kind beside the secure
-# tail kind, which takes the same tail paths and secure aggregation too; central DP beside secure DP
-# through `simulate`; a shard SIGKILLed on Ray beside one SIGKILLed as a local process, on the same
-# restart path, while Ray's own shards run in test_shards.py's other Ray tests). Only parameter sets are listed, never a whole test: a collection that holds a
+# time on CI's two cores: each is a variant of a test another parameter set of which runs in make
+# test, and whose own parts other tests hold: the EfficientNet-Lite0 export beside MobileNetV2's (its
+# eager and ONNX programs in test_backbones.py); crash-resuming a plain tail job beside the secure tail
+# job (a mid-round replay of stored contributions: plain FedAvg's in test_crash_recovery.py); Scaffold
+# with a tail on shards beside FedAvg with a tail and Scaffold without; the secure tail kind on shards
+# beside the other secure kinds (the tail's sums: fedavg-tail on shards); central DP through
+# `simulate` beside secure DP (its release at the end: test_dp_release_at_end.py, its center:
+# test_dp_fed3r_center.py). Only parameter sets are listed, never a whole test: a collection that holds a
 # listed test's every parameter set must run one of them here, and an entry that names nothing
 # collected is stale; both are collection errors (``_check_variants``).
 # "file::test[params]" names one set; "file::test[prefix" those whose parameters start so.
@@ -69,7 +72,6 @@ VARIANTS = (
     "test_shard_rounds.py::test_fedavg_rounds_on_two_shards_give_one_aggregators_model_bit_for_bit[scaffold-tail]",
     "test_secure_shards_parity.py::test_secure_fedavg_kinds_on_two_shards_give_one_aggregators_model_bit_for_bit[fedavg-tail-secure]",
     "test_simulation_e2e.py::test_simulate_dp_epsilon_runs_dp_fed3r_with_a_private_center_on_the_devices[central]",
-    "test_shards.py::test_a_shard_sigkilled_mid_ingest_resumes_bit_for_bit[ray]",
 )
 ALL_VARIANTS = os.environ.get("FEDFLEET_ALL_VARIANTS") == "1"
 
