@@ -28,6 +28,8 @@ def default_state_dir(device_id: str, environ: Mapping[str, str] | None = None) 
         raise UserError(f"device id {str(device_id)[:80]!r} cannot name a state folder (1-64 of [A-Za-z0-9_.-], "
                         f"not '.' or '..'): {CHOICES}")
     if environ.get(STATE_HOME_ENV):
+        if not os.path.isabs(environ[STATE_HOME_ENV]):      # a folder that moved with the working folder
+            raise UserError(f"{STATE_HOME_ENV} must be an absolute path, got {environ[STATE_HOME_ENV][:200]!r}")
         return Path(environ[STATE_HOME_ENV]) / device_id
     xdg = environ.get(XDG_STATE_HOME_ENV, "")
     # the XDG base-directory spec: a relative path in the variable is invalid and ignored

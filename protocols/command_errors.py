@@ -49,10 +49,12 @@ def load_json_file(path, what: str, max_bytes: int | None = None) -> object:
 
 
 def is_user_mistake(exc: BaseException) -> bool:
-    """One of USER_MISTAKES, or an ``ArtifactError``: a bundle the user named that cannot be used (a
-    file missing or altered, a program no runtime here loads), whose message names the file and what
-    to install or re-export. The bundle module (and jsonschema, 90 ms) is imported only then."""
-    if isinstance(exc, USER_MISTAKES):
+    """One of USER_MISTAKES, an OSError that names its file (a read-only file system, a full disk, a
+    name too long where the user pointed: what the user can mend, reported with the file), or an
+    ``ArtifactError``: a bundle the user named that cannot be used (a file missing or altered, a
+    program no runtime here loads), whose message names the file and what to install or re-export.
+    The bundle module (and jsonschema, 90 ms) is imported only then."""
+    if isinstance(exc, USER_MISTAKES) or isinstance(exc, OSError) and exc.filename:
         return True
     from protocols.bundle_manifest import ArtifactError
 
@@ -62,8 +64,7 @@ def is_user_mistake(exc: BaseException) -> bool:
 def describe(exc: BaseException) -> str:
     if isinstance(exc, json.JSONDecodeError):
         return f"not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
-    if isinstance(exc, (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-                        PermissionError)) and exc.filename:
+    if isinstance(exc, OSError) and exc.filename:
         return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
     if isinstance(exc, KeyError):
         return f"missing {exc.args[0]!r}" if exc.args else "missing key"

@@ -160,3 +160,16 @@ def test_forget_state_refuses_an_id_the_credentials_contradict(tmp_path, monkeyp
     assert main(["device", "--credentials", str(creds), "--idx", "a", "b", "--forget-state"]) == 0
     assert DeviceStateStore(tmp_path / "fleet" / "cam2").jobs() == [] and \
         DeviceStateStore(tmp_path / "fleet" / "cam1").jobs() == ["job-1"]
+
+
+def test_a_relative_state_home_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """A relative FEDFLEET_STATE_HOME named a folder that moved with the working folder: a device
+    started elsewhere, or --forget-state run from elsewhere, found another (a review's finding)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="must be an absolute path"):
+        default_state_dir("cam1", {"FEDFLEET_STATE_HOME": "fleet/state"})
+    monkeypatch.setenv("FEDFLEET_STATE_HOME", "fleet/state")
+    assert main(["device", "--id", "cam1", "--idx", "a", "b"]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "FEDFLEET_STATE_HOME must be an absolute path" in err[0], err
+    assert not (tmp_path / "fleet").exists()
