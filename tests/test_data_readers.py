@@ -176,6 +176,38 @@ def test_fashion_mnist_reads_plain_copies(tmp_path):
     np.testing.assert_array_equal(y, labels)
 
 
+def test_fashion_mnist_is_read_once_per_process_until_its_files_change(tmp_path, monkeypatch):
+    """A second load of the same, unchanged files reads nothing (inflating the training images is
+    ~0.25 CPU-s) and still hands each caller its own writable arrays; a changed file is read
+    again; ``keep=False`` always reads."""
+    import os
+
+    from edge_client.data import idx
+
+    reads = []
+    real_read_idx = idx.read_idx
+    monkeypatch.setattr(idx, "read_idx", lambda path, *a: reads.append(Path(path).name) or real_read_idx(path, *a))
+    images, labels = random_array(np.uint8, (4, 28, 28)), np.array([1, 2, 3, 4], dtype=np.uint8)
+    write_idx(tmp_path / "train-images-idx3-ubyte", images, compress=True)
+    write_idx(tmp_path / "train-labels-idx1-ubyte", labels)
+    first, again = load_fashion_mnist("train", root=tmp_path), load_fashion_mnist("train", root=tmp_path)
+    assert reads == ["train-images-idx3-ubyte", "train-labels-idx1-ubyte"]      # the second load read no file
+    for x, y in (first, again):
+        np.testing.assert_array_equal(x, images)
+        np.testing.assert_array_equal(y, labels)
+    first[0][:] = 0                                  # each caller's own writable copy
+    np.testing.assert_array_equal(load_fashion_mnist("train", root=tmp_path)[0], images)
+
+    changed = images[::-1].copy()                    # same size: the file's mtime tells them apart
+    path = write_idx(tmp_path / "train-images-idx3-ubyte", changed, compress=True)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    np.testing.assert_array_equal(load_fashion_mnist("train", root=tmp_path)[0], changed)
+    assert len(reads) == 4
+    np.testing.assert_array_equal(load_fashion_mnist("train", root=tmp_path, keep=False)[0], changed)
+    assert len(reads) == 6
+
+
 # ---------------------------------------------------------------- image fixtures
 
 def _paeth(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:

@@ -70,7 +70,8 @@ def profile_hooks(profile: DeviceProfile, t0: float, rng: np.random.Generator,
 
 def load_dataset(name: str, root: str | None):
     if name == "fashion-mnist":
-        return load_fashion_mnist("train", Path(root) if root else None)
+        # read once and held for the host's life: a kept copy (load_fashion_mnist's keep) would double its memory
+        return load_fashion_mnist("train", Path(root) if root else None, keep=False)
     raise ValueError(f"unknown dataset {name!r}")
 
 
