@@ -26,7 +26,7 @@ from protocols.mqtt_eventloop import raise_open_file_limit
 from protocols.topics import Topics
 
 from .emulation.broker import BrokerTree, loopback_sources
-from .emulation.fork_server import ForkServer
+from .emulation.fork_server import ForkServer, shared_server
 from .emulation.local_hosts import LocalHosts
 from .emulation.processes import stop_all
 from .emulation.partition import make_split, train_holdout_split
@@ -95,16 +95,17 @@ class EmulatedFleet:
         try:
             # the jobs' aggregators and the local device hosts: forks of servers that imported their
             # code once (fedfleet/emulation/fork_server.py), in the children's environment; two, so
-            # that a device host holds the device's code only, as a device does, not the server's
-            self.job_processes = ForkServer(["aggregator", "fedfleet.ladd.aggregator_process"], self.env)
+            # that a device host holds the device's code only, as a device does, not the server's.
+            # The process's kept servers: its later fleets start none (each start ~2 CPU-s of imports)
+            self.job_processes = shared_server(["aggregator", "fedfleet.ladd.aggregator_process"], self.env)
             specs = self.worker_specs()
             if cfg.ray:
                 from .emulation.ray_hosts import RayHosts
 
                 self.hosts = RayHosts(cfg.ray, self.out)
             else:
-                self.host_processes = ForkServer(["fedfleet.emulation.worker"], self.env)
-                self.hosts = LocalHosts(self.out, self.host_processes)
+                self.host_processes = shared_server(["fedfleet.emulation.worker"], self.env)
+                self.hosts = LocalHosts(self.out, self.host_processes, self.env)
             self.hosts.start(specs)
         except BaseException:
             self.__exit__()
@@ -166,7 +167,7 @@ class EmulatedFleet:
     def run_aggregator(self, module_args: list[str], log_file: Path, what: str, timeout_s: float) -> None:
         """``python -m MODULE_ARGS`` as the aggregator process of a job (a fork of the fleet's
         server), until it exits; an error with its log's tail unless it exits 0."""
-        agg = self.job_processes.start(module_args[0], module_args[1:], log_file)
+        agg = self.job_processes.start(module_args[0], module_args[1:], log_file, env=self.env)
         try:
             rc = agg.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -177,20 +178,16 @@ class EmulatedFleet:
             raise RuntimeError(f"{what} aggregator failed (exit {rc}); log tail:\n{log_file.read_text()[-3000:]}")
 
     def __exit__(self, *exc) -> None:
-        """Stop the hosts, the fork servers, then the broker, each whatever the one before raised
-        (a host fork server that died left mosquitto and the other servers running)."""
+        """Stop the hosts, then the broker, whatever stopping the hosts raised (a host fork server
+        that died left mosquitto running). The fork servers are the process's, kept for its next
+        fleet (``shared_server``)."""
         self.broker_rss_mb = self.broker.rss_mb() if self.broker else None
         try:
             if self.hosts is not None:
                 self.worker_stats = self.hosts.stop()
         finally:
-            try:
-                for server in (self.host_processes, self.job_processes):
-                    if server is not None:
-                        server.close()
-            finally:
-                if self.broker:
-                    self.broker.stop()
+            if self.broker:
+                self.broker.stop()
 
 
 def aggregator_shards(cfg: SimConfig, kind: str, job: dict) -> tuple[list[str], str]:

@@ -138,3 +138,76 @@ def test_the_server_imports_torch_for_the_entries_whose_code_imports_it_where_it
             s.close()
         seen[preload[0]] = json.loads(report.read_text())["torch_imported"]
     assert seen == {"aggregator": True, "fork_child_probe": False}
+
+
+def test_a_process_keeps_one_server_per_preload_and_environment_and_a_childs_environment_is_its_callers(
+        tmp_path, monkeypatch):
+    """``shared_server``: the same preload in the same environment (pytest's per-test variable
+    aside) is one server, another environment another; a dead server is started again; a child
+    started with its caller's environment sees that, not the server's."""
+    from fedfleet.emulation import fork_server
+
+    monkeypatch.setattr(fork_server, "_kept", {})          # this test's servers only
+    try:
+        first = fork_server.shared_server(["fork_child_probe"], ENV)
+        assert fork_server.shared_server(["fork_child_probe"], dict(ENV, PYTEST_CURRENT_TEST="another test")) is first
+        other = fork_server.shared_server(["fork_child_probe"], dict(ENV, MALLOC_ARENA_MAX="3"))
+        assert other is not first and other.proc.pid != first.proc.pid
+        report = tmp_path / "r.json"
+        assert first.start("fork_child_probe", ["exit", str(report), "0"], tmp_path / "log",
+                           env=dict(ENV, PROBE="the child's")).wait(60) == 0
+        assert json.loads(report.read_text())["probe"] == "the child's"
+        first.proc.kill()
+        first.proc.wait()
+        again = fork_server.shared_server(["fork_child_probe"], ENV)
+        assert again is not first and again.alive
+    finally:
+        for s in fork_server._kept.values():
+            s.close()
+
+
+def test_a_processs_later_fleets_start_no_fork_server(tmp_path, monkeypatch):
+    """``fedfleet simulate``'s fleets (EmulatedFleet) take the process's kept servers: a second
+    fleet starts no server (a start is ~2 CPU-s of imports), and each host and aggregator is
+    started with its own fleet's environment."""
+    from fedfleet.emulation import fork_server
+    from fedfleet.emulation.profiles import sample_profiles
+    from fedfleet.sim_config import SimConfig
+    from fedfleet.simulate import EmulatedFleet
+
+    started, requests = [], []
+
+    class Child:
+        pid = 0
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+        def send_signal(self, sig):
+            pass
+
+    class Server:                       # a server that starts nothing: what matters is how many are made
+        alive = True
+
+        def __init__(self, preload, env):
+            started.append(tuple(preload))
+
+        def start(self, module, argv, log, env=None, cwd=None, timeout=120):
+            requests.append((module, env))
+            return Child()
+
+    monkeypatch.setattr(fork_server, "_kept", {})
+    monkeypatch.setattr(fork_server, "ForkServer", Server)
+    for run in ("one", "two"):
+        out = tmp_path / run
+        out.mkdir()
+        # what differs between a test process's simulations: none of a server's business, but the child's own
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", run)
+        with EmulatedFleet(SimConfig(devices=1), out, sample_profiles(1, 0), None, quiet=True) as fleet:
+            fleet.run_aggregator(["aggregator", "serve"], out / "aggregator.log", "probe", 10)
+    assert sorted(started) == [("aggregator", "fedfleet.ladd.aggregator_process"), ("fedfleet.emulation.worker",)]
+    assert [(m, e["PYTEST_CURRENT_TEST"]) for m, e in requests] == [("fedfleet.emulation.worker", "one"), ("aggregator", "one"),
+                                                           ("fedfleet.emulation.worker", "two"), ("aggregator", "two")]

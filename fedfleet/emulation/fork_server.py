@@ -26,6 +26,10 @@ Protocol (one JSON object a line, the client on the server's stdin/stdout): the 
 ``{"module", "argv", "env", "cwd", "log"}``, the server answers ``{"pid"}`` at once and
 ``{"exited": pid, "rc": status}`` when that child ends. The server exits when its stdin closes
 (the client went away); its running children are left to finish, as a ``Popen``'s would be.
+
+A process that runs several simulations (a pipeline's caller, the test suite's workers) keeps its
+servers (:func:`shared_server`): a server's start is its imports, ~2 CPU-s, and two per simulation
+were most of a small simulation's CPU beside its devices' work.
 """
 
 from __future__ import annotations
@@ -256,3 +260,33 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+# a process's kept servers: (preload, the environment they started in) -> server
+_kept: dict[tuple, ForkServer] = {}
+_kept_lock = threading.Lock()
+# set anew for every test by pytest; read by no child at its start (a child gets its caller's environment)
+PER_MOMENT_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def shared_server(preload: list[str], env: dict) -> ForkServer:
+    """This process's server for ``preload`` in ``env``, started on first use (and again if it died),
+    then kept until the process exits. What a server's environment decides is read at its start
+    (malloc, BLAS and torch settings), so callers share a server only when their environments are
+    the same; a child's own environment is its caller's, given to each ``start``."""
+    key = (tuple(preload), tuple(sorted((k, v) for k, v in env.items() if k not in PER_MOMENT_VARIABLES)))
+    with _kept_lock:
+        server = _kept.get(key)
+        if server is None or not server.alive:
+            if not _kept:
+                atexit.register(_close_kept)
+            server = _kept[key] = ForkServer(list(preload), env)
+        return server
+
+
+def _close_kept() -> None:
+    with _kept_lock:
+        servers = list(_kept.values())
+        _kept.clear()
+    for server in servers:
+        server.close()

@@ -15,15 +15,16 @@ class LocalHosts:
     """Device hosts as local worker processes (``python -m fedfleet.emulation.worker SPEC``, forked
     from the fleet's server)."""
 
-    def __init__(self, out: Path, processes: ForkServer):
-        self.out, self.processes = out, processes
+    def __init__(self, out: Path, processes: ForkServer, env: dict | None = None):
+        """``env``: the hosts' environment (the server's by default)."""
+        self.out, self.processes, self.env = out, processes, env
         self.procs: list[ForkedProcess] = []
 
     def start(self, specs: list[dict]) -> None:
         for w, spec in enumerate(specs):
             (self.out / f"worker{w}.spec.json").write_text(json.dumps(spec))
             self.procs.append(self.processes.start("fedfleet.emulation.worker", [str(self.out / f"worker{w}.spec.json")],
-                                                   self.out / f"worker{w}.log"))
+                                                   self.out / f"worker{w}.log", env=self.env))
 
     def stop(self) -> list[dict]:
         """Stop every worker; the statistics each wrote when it stopped."""
