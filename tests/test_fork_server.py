@@ -206,8 +206,10 @@ def test_a_processs_later_fleets_start_no_fork_server(tmp_path, monkeypatch):
         out.mkdir()
         # what differs between a test process's simulations: none of a server's business, but the child's own
         monkeypatch.setenv("PYTEST_CURRENT_TEST", run)
+        monkeypatch.setenv("FEDFLEET_STATE_HOME", str(tmp_path / run / "state"))     # the suite's, per test
         with EmulatedFleet(SimConfig(devices=1), out, sample_profiles(1, 0), None, quiet=True) as fleet:
             fleet.run_aggregator(["aggregator", "serve"], out / "aggregator.log", "probe", 10)
     assert sorted(started) == [("aggregator", "fedfleet.ladd.aggregator_process"), ("fedfleet.emulation.worker",)]
     assert [(m, e["PYTEST_CURRENT_TEST"]) for m, e in requests] == [("fedfleet.emulation.worker", "one"), ("aggregator", "one"),
                                                            ("fedfleet.emulation.worker", "two"), ("aggregator", "two")]
+    assert [e["FEDFLEET_STATE_HOME"] for _, e in requests] == [str(tmp_path / r / "state") for r in ("one", "one", "two", "two")]

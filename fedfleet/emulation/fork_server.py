@@ -265,8 +265,10 @@ class ForkServer:
 # a process's kept servers: (preload, the environment they started in) -> server
 _kept: dict[tuple, ForkServer] = {}
 _kept_lock = threading.Lock()
-# set anew for every test by pytest; read by no child at its start (a child gets its caller's environment)
-PER_MOMENT_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+# set anew for every test (pytest's name of it; the suite's per-test device state home, which only
+# `fedfleet device` reads, when it runs); read by no server at its start (a child gets its caller's
+# environment with each start)
+PER_MOMENT_VARIABLES = frozenset({"PYTEST_CURRENT_TEST", "FEDFLEET_STATE_HOME"})
 
 
 def shared_server(preload: list[str], env: dict) -> ForkServer:
