@@ -85,8 +85,8 @@ MAX_BOUNDARIES = 4096
 MAX_FILE_BYTES = 96 * 1024
 # the decline of every window once the kept file could not be read (SampleWindows.LOST_REASON: the same words)
 LOST_REASON = (f"this device's sample-window ledger ({WINDOWS_FILE} in its state folder) could not be read: it "
-               "answers no Fed3R window until an operator repairs that file or moves it aside and restarts it "
-               "(a fresh ledger forgets every window this device answered)")
+               "answers no Fed3R window until an operator repairs that file or moves it aside (a fresh ledger "
+               "forgets every window this device answered)")
 
 
 def unkept_reason(start: int, end: int, samples: int) -> str:
@@ -147,7 +147,7 @@ class SampleWindowLedger:
             return None
 
     def _refusal(self, start: int, end: int, samples: int) -> str | None:
-        if self.lost is not None:
+        if self.lost is not None and self._load() is not None:      # read again: repaired or moved aside meanwhile?
             return LOST_REASON
         if self.path is None and (start, end) != (0, samples):
             return unkept_reason(start, end, samples)
@@ -168,15 +168,27 @@ class SampleWindowLedger:
                         f"down to fewer than {self.min_difference} samples")
         return None
 
-    def _load(self) -> None:
+    def _load(self) -> str | None:
+        """Read the kept file: its boundaries, or [0] where there is none (a fresh device, or one whose
+        lost file the operator moved aside); ``lost`` and returned: why it cannot be read. A lost
+        ledger is read again at every window asked of it, so a repaired file (or one moved aside)
+        serves the next task without a restart; the warning is logged once per reason."""
         try:
             self._boundaries = checked_boundaries(parse_strict_json(read_small_file(self.path, MAX_FILE_BYTES)))
         except FileNotFoundError:
-            pass
+            self._boundaries = [0]
         except (OSError, ValueError, RecursionError) as exc:
-            self.lost = str(exc)[:200]           # kept as it is, for the operator: never written over
-            log.warning("the device's sample windows %s are unreadable (%s): no Fed3R window is answered until "
-                        "the file is repaired or moved aside", self.path, self.lost)
+            why = str(exc)[:200]
+            if why != self.lost:                 # the file is kept as it is, for the operator: never written over
+                log.warning("the device's sample windows %s are unreadable (%s): no Fed3R window is answered until "
+                            "the file is repaired or moved aside", self.path, why)
+            self.lost = why
+            return why
+        if self.lost is not None:
+            log.warning("the device's sample windows %s are readable again: Fed3R windows are answered by them",
+                        self.path)
+        self.lost = None
+        return None
 
 
 def nearest(kept: list[int], b: int) -> tuple[int, int]:

@@ -80,6 +80,32 @@ def test_the_operator_recovers_by_moving_the_file_aside(tmp_path):
     assert (tmp_path / "sample_windows.json.damaged").read_text() == '{"boundaries":[0,20'
 
 
+def test_a_lost_ledger_serves_again_once_repaired_or_moved_aside_without_a_restart(tmp_path, caplog):
+    """The same running device: its damaged file repaired, it answers by the repaired boundaries
+    (a window too near one of them still declined); moved aside, it is a fresh device. The warning
+    is logged once per reason, not at every task (each task reads the file again)."""
+    x, y = data(N)
+    path = tmp_path / WINDOWS_FILE
+    path.write_text('{"boundaries":[0,20')
+    handler = restarted(tmp_path, x, y)
+    for _ in range(3):
+        with pytest.raises(TaskDeclined, match="moves it aside"):
+            ask(handler, **capped(0, 20))
+    assert sum("are unreadable" in r.getMessage() for r in caplog.records) == 1
+    path.write_text('{"boundaries":[0,20]}')                   # repaired by the operator
+    with pytest.raises(TaskDeclined, match="lies 1 sample"):
+        ask(handler, **capped(0, 19))                           # [0, 19) beside the kept 20: still declined
+    ask(handler, **capped(0, 30))
+    assert path.read_text() == '{"boundaries":[0,20,30]}'
+    path.write_text("damaged again")                            # found at the next start
+    handler = restarted(tmp_path, x, y)
+    with pytest.raises(TaskDeclined, match="moves it aside"):
+        ask(handler, **capped(0, 30))
+    shutil.move(path, tmp_path / "sample_windows.json.damaged")
+    ask(handler, **capped(0, 10))                               # a fresh ledger: its first answer
+    assert path.read_text() == '{"boundaries":[0,10]}'
+
+
 def test_an_unreadable_ledger_is_lost_not_fresh(tmp_path):
     """A file the device may not open is not a missing one."""
     if os.geteuid() == 0:
@@ -163,6 +189,56 @@ def test_the_java_device_fails_closed_alike(tmp_path):
         if kept not in (None, "a directory"):        # left as it was, or (a window answered) written alike
             written = '{"boundaries":[0,20,28]}' if said == "DONE" else kept
             assert [(f / WINDOWS_FILE).read_text() for f in folders] == [written] * 2, step
+
+
+# one running device's ledger, lost at start: repaired by the operator, it serves (and a file moved aside
+# while the ledger is sound changes nothing: the running device keeps its windows and writes them anew);
+# moved aside while lost, a fresh ledger
+RECOVERY_STEPS = {"repaired": ["refusal:0:20:40", "refusal:0:20:40", "write:{\"boundaries\":[0,20]}",
+                               "refusal:0:19:40", "record:0:30:40", "move", "record:0:10:40", "refusal:0:11:40"],
+                  "moved aside": ["refusal:0:20:40", "move", "record:0:10:40", "refusal:0:11:40"]}
+
+
+def python_windows_script(path, steps: list[str]) -> list[str]:
+    """RECOVERY_STEPS on a SampleWindowLedger, as TaskRunner --windows runs them on SampleWindows."""
+    ledger, said = SampleWindowLedger(path), []
+    for step in steps:
+        what, _, rest = step.partition(":")
+        if what == "write":
+            path.write_text(rest)
+        elif what == "move":
+            shutil.move(path, f"{path}.damaged")
+        else:
+            reason = getattr(ledger, what)(*map(int, rest.split(":")))
+            said.append("OK" if reason is None else reason)
+    return said
+
+
+@pytest.mark.parametrize("how", RECOVERY_STEPS)
+def test_the_java_device_recovers_a_lost_ledger_without_a_restart_alike(how, tmp_path):
+    """Both SDKs read a lost ledger again at every window asked: repaired, it serves by its
+    boundaries; moved aside, it is fresh; the same words at every step, and the same file."""
+    import java_build
+    from java_tasks import java
+
+    if java_build.missing() is not None:
+        pytest.skip(java_build.missing())
+    files = {sdk: tmp_path / sdk / WINDOWS_FILE for sdk in ("java", "python")}
+    for path in files.values():
+        path.parent.mkdir()
+        path.write_text('{"boundaries":[0,20')
+    steps = RECOVERY_STEPS[how]
+    said_java = java(java_build.built(), "--windows", files["java"], *steps).splitlines()
+    said_python = python_windows_script(files["python"], steps)
+    assert said_java == said_python
+    assert said_python[0] == LOST_REASON and "lies 1 sample" in said_python[-1]
+    if how == "repaired":
+        assert said_python[1] == LOST_REASON and "lies 1 sample" in said_python[2] and said_python[3:5] == ["OK"] * 2
+        written = '{"boundaries":[0,10,20,30]}'
+    else:
+        assert said_python[1] == "OK"
+        written = '{"boundaries":[0,10]}'
+    assert [p.read_text() for p in files.values()] == [written] * 2
 
 
 def test_a_device_with_a_damaged_ledger_declines_over_mosquitto(broker, tmp_path):

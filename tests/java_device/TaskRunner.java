@@ -6,6 +6,8 @@
 //        its SampleWindows there; the held-out file "-" for none)
 //        java TaskRunner --skellam <stddev> <count>   (prints "NOISE ...": Skellam draws, scale_bits 0)
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
+//        java TaskRunner --windows <ledger file> <step>...  (one running device's ledger through refusals,
+//          records and the operator's repairs: windowsScript)
 //        java TaskRunner --batch <cases file> <aggregator public key hex> <device seed hex>: one JVM for
 //          many cases (tests/test_differential_fuzz.py), each line of the file "<task.bin> <features>
 //          <result.bin> [<held-out features>]"; each task's signature is verified under the aggregator's
@@ -70,6 +72,9 @@ public final class TaskRunner {
             StringBuilder out = new StringBuilder("NOISE");
             for (double x : new SkellamNoise().add(new double[count], dp, count)) out.append(' ').append((long) x);
             return out.append('\n').toString();
+        }
+        if (args[0].equals("--windows")) {        // one ledger through a script of steps (tests/test_sample_windows_closed.py)
+            return windowsScript(args);
         }
         if (args[0].equals("--sample-order")) {
             StringBuilder out = new StringBuilder();
@@ -169,6 +174,29 @@ public final class TaskRunner {
             printed.append("DECLINED " + e.getMessage() + "\n");
         }
         return printed.toString();
+    }
+
+    /** --windows FILE STEP...: one SampleWindows on FILE (a running device), through steps each printed
+     *  as a line: "refusal:S:E:N" and "record:S:E:N" (what it says: "OK" or the reason), "write:TEXT"
+     *  (the operator writes the file), "move" (the operator moves it aside). */
+    static String windowsScript(String[] args) throws Exception {
+        java.io.File file = new java.io.File(args[1]);
+        SampleWindows windows = new SampleWindows(file, SampleWindows.MIN_DIFFERENCE);
+        StringBuilder out = new StringBuilder();
+        for (int i = 2; i < args.length; i++) {
+            String[] step = args[i].split(":", 2);
+            if (step[0].equals("write")) {
+                Files.write(file.toPath(), step[1].getBytes("UTF-8"));
+            } else if (step[0].equals("move")) {
+                Files.move(file.toPath(), Paths.get(file.getPath() + ".damaged"));
+            } else {
+                String[] w = step[1].split(":");
+                long s = Long.parseLong(w[0]), e = Long.parseLong(w[1]), n = Long.parseLong(w[2]);
+                String said = step[0].equals("record") ? windows.record(s, e, n) : windows.refusal(s, e, n);
+                out.append(said == null ? "OK" : said).append('\n');
+            }
+        }
+        return out.toString();
     }
 
     /** A fresh device's kept sample windows, one per fed3r.stats or fed3r.secure case (tests/fuzz_device.py

@@ -18,8 +18,9 @@
 // Lost: the file is read once; a missing file is a fresh device, any other file that is not a regular
 // file of at most MAX_FILE_BYTES, strict JSON, strictly ascending integers from 0 (at most
 // MAX_BOUNDARIES) makes the ledger lost: a warning naming the file, then every window declined with
-// LOST_REASON, nothing written (the bad file stays for the operator, who repairs it or moves it aside
-// and restarts the device). Starting from {0} instead would exempt a first answer [0, n - 1) again.
+// LOST_REASON, nothing written (the bad file stays for the operator, who repairs it or moves it aside:
+// a lost ledger reads the file again at every window asked, so no restart is needed). Starting from {0}
+// instead would exempt a first answer [0, n - 1) again.
 // Unkept (no state folder, path null): only a window of all the device's samples from the first is
 // answered (the same answer after any restart); capped windows of fewer and streaming increments are
 // declined (unkeptReason, naming the missing state folder).
@@ -46,8 +47,8 @@ public final class SampleWindows {
     private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
     /** The decline of every window once the kept file could not be read (edge_client/sample_windows.py LOST_REASON). */
     public static final String LOST_REASON = "this device's sample-window ledger (" + NAME + " in its state folder) could "
-            + "not be read: it answers no Fed3R window until an operator repairs that file or moves it aside and restarts "
-            + "it (a fresh ledger forgets every window this device answered)";
+            + "not be read: it answers no Fed3R window until an operator repairs that file or moves it aside (a fresh "
+            + "ledger forgets every window this device answered)";
 
     private final File path;
     private final int minDifference;
@@ -80,7 +81,7 @@ public final class SampleWindows {
 
     /** Why the window [start, end) of the device's `samples` samples may not be answered, or null. */
     public synchronized String refusal(long start, long end, long samples) {
-        if (lost != null) return LOST_REASON;
+        if (lost != null && load() != null) return LOST_REASON;     // read again: repaired or moved aside meanwhile?
         if (path == null && (start != 0 || end != samples)) return unkeptReason(start, end, samples);
         List<Long> fresh = new ArrayList<>();
         if (!boundaries.contains(start)) fresh.add(start);
@@ -127,22 +128,36 @@ public final class SampleWindows {
         return null;
     }
 
-    private void load() {
+    /** Read the kept file: its boundaries, or {0} where there is none (a fresh device, or one whose lost
+     *  file the operator moved aside); lost, and returned: why it cannot be read. A lost ledger is read
+     *  again at every window asked of it, so a repaired file (or one moved aside) serves the next task
+     *  without a restart; the warning is logged once per reason. */
+    private String load() {
         try {
-            java.nio.file.attribute.BasicFileAttributes kind;
+            java.nio.file.attribute.BasicFileAttributes kind = null;
             try {      // only a missing file is a fresh device (File.exists() is false for an unreadable folder too)
                 kind = java.nio.file.Files.readAttributes(path.toPath(), java.nio.file.attribute.BasicFileAttributes.class);
             } catch (java.nio.file.NoSuchFileException e) {
-                return;
+                boundaries = new TreeSet<>();
+                boundaries.add(0L);
             }
-            if (!kind.isRegularFile()) throw new IOException("not a regular file");     // a FIFO would block the open
-            boundaries = checked(Json.parseHeader(SmallTextFile.read(path, MAX_FILE_BYTES)));
+            if (kind != null) {
+                if (!kind.isRegularFile()) throw new IOException("not a regular file");     // a FIFO would block the open
+                boundaries = checked(Json.parseHeader(SmallTextFile.read(path, MAX_FILE_BYTES)));
+            }
         } catch (IOException | Json.JsonError | IllegalArgumentException e) {
             String why = String.valueOf(e.getMessage());
-            lost = why.substring(0, Math.min(200, why.length()));      // the file stays as it is, for the operator
-            LOG.warning("the device's sample windows " + path + " are unreadable (" + lost
-                    + "): no Fed3R window is answered until the file is repaired or moved aside");
+            why = why.substring(0, Math.min(200, why.length()));
+            if (!why.equals(lost))          // the file stays as it is, for the operator: never written over
+                LOG.warning("the device's sample windows " + path + " are unreadable (" + why
+                        + "): no Fed3R window is answered until the file is repaired or moved aside");
+            lost = why;
+            return why;
         }
+        if (lost != null)
+            LOG.warning("the device's sample windows " + path + " are readable again: Fed3R windows are answered by them");
+        lost = null;
+        return null;
     }
 
     /** The file's boundaries: strictly ascending integers from 0, at most MAX_BOUNDARIES. */
