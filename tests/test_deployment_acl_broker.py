@@ -67,8 +67,11 @@ def test_on_the_generated_acl_broker_no_two_connections_share_an_identity(secure
         wait_for(lambda: store_state(store, "acl-1") == "complete", 15, "the rollout on the ACL broker")
         assert follower.slot.current.sha256 == D_sha((W, b))
         time.sleep(hold_s)
-        assert closed == {name: 0 for name in links}, closed
-        assert all(link.connected.is_set() for link in links.values())
+        # Two connections of one identity close each other about once a second each (ten or more in
+        # the 5 s). One closure in all is a keepalive missed, not that: a thread of this process held
+        # up past 1.5 s under the suite's load (seen once: the service's link), which reconnects
+        assert sum(closed.values()) <= 1, closed
+        wait_for(lambda: all(link.connected.is_set() for link in links.values()), 10, "every connection up")
         assert {link.client._client_id.decode() for link in links.values()} == \
             {"aggregator", "aggregator/deployments", "dev01", "dev01/deploy", "dev01/fetch"}
     finally:
