@@ -43,8 +43,9 @@ def java_cp() -> str:
 
 def java(java_cp: str, *args) -> str:
     """What ``java TaskRunner ARGS`` prints, run in this worker's one TaskRunner JVM (``--serve``):
-    a JVM started per run cost about half a CPU-second, ~90 times a suite. A run that throws fails
-    the test with its stack trace, as the JVM's exit status did."""
+    a JVM started per run cost its start and warm-up, about 0.08 CPU-s a run
+    (bench/java_task_runs.py), ~90 times a suite. A run that throws fails the test with its stack
+    trace, as the JVM's exit status did."""
     status, text = _served(java_cp).run([str(a) for a in args])
     assert status == "OK", text[-3000:]
     return text

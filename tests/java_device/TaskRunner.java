@@ -18,7 +18,8 @@
 //        java TaskRunner --serve: one JVM for a test worker's single runs (tests/java_tasks.py java()):
 //          each line of stdin is one run's arguments, tab-separated; each answer on stdout is
 //          "OK <n>" or "FAILED <n>" and then n bytes (UTF-8) of what that run prints, or of its stack
-//          trace. Starting a JVM per run cost about half a CPU-second, and ~90 runs a suite.
+//          trace. A JVM per run cost its start and warm-up, ~0.08 CPU-s a run (bench/java_task_runs.py),
+//          ~90 runs a suite.
 // fedavg.secure, fed3r.secure, scaffold.head.secure, ditto.head.secure: prints "VECTOR ..." (what the device would sum under SecAgg). Otherwise prints "DONE", with "STEPS <steps> LOSS <mean loss of the last epoch>" for fedavg.head, or
 // "DECLINED <reason>"; for oll.personalize also the personalised head ("OLL_WEIGHT ...",
 // "OLL_BIAS ...", float32 values) and the cross-validated accuracies ("CV ...").
