@@ -151,9 +151,29 @@ def compare_reports(plain: dict, secure: dict) -> str:
     widths = (11, 13, 14, 8, 13, 14, 8, 12, 13)
     lines = ["", "=== plain vs secure aggregation (same fleet) ===",
              "".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(COMPARE_HEADER, widths)))]
-    lines += ["".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
-              for row in comparison_rows(plain, secure)]
-    return "\n".join(lines)
+    rows = comparison_rows(plain, secure)
+    lines += ["".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))) for row in rows]
+    note = averaging_difference(rows)
+    return "\n".join(lines + ([note] if note else []))
+
+
+AVERAGING_PHASES = ("fedavg-ft", "pp", "ditto")     # phases whose rounds average device updates
+
+
+def averaging_difference(rows: list[tuple]) -> str:
+    """When ``rows`` (``comparison_rows``) hold an averaging phase: why its secure accuracy need not
+    follow the plain one's, from the two jobs' defaults (so the sentence stays true if they change):
+    the plaintext layers need each update, a secure round has only the sum. Else ""."""
+    if not any(row[0] in AVERAGING_PHASES for row in rows):
+        return ""
+    from aggregator.jobs.fedavg import FedAvgConfig
+    from aggregator.jobs.secure_fedavg import SecureFedAvgConfig
+
+    plain, secure = FedAvgConfig(), SecureFedAvgConfig()
+    return (f"note: a plain round bounds each update by {plain.norm_bound_multiplier:g}x the round's median norm "
+            f"and steps along a round history (beta {plain.history_momentum:g}); a secure round sees only the sum "
+            f"and takes its weighted mean (beta {secure.history_momentum:g}), so the two runs' training curves "
+            "need not agree (docs/secure-aggregation.md, \"Bounded influence: checking a group's sum\").")
 
 
 def write_plots_and_html(report: dict, out: Path) -> str:
@@ -247,9 +267,12 @@ held-out samples with a label outside the local training labels (scored by the g
                     + f"<ul id=\"deploy-outcomes\">{outcomes}</ul>")
     compared = ""
     if report.get("compared_with"):
+        rows = comparison_rows(report["compared_with"], report)
+        note = averaging_difference(rows)
         compared = ("<h2>Plain vs secure aggregation (same fleet and config)</h2>"
-                    + _table("compare", COMPARE_HEADER, comparison_rows(report["compared_with"], report))
-                    + "<p>Dashed grey curves in the plot: the plain run.</p>")
+                    + _table("compare", COMPARE_HEADER, rows)
+                    + "<p>Dashed grey curves in the plot: the plain run.</p>"
+                    + (f'<p id="averaging-note">{html.escape(note)}</p>' if note else ""))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(report_title(report))}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1300px}}

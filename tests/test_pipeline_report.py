@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from fedfleet.pipeline_report import (ACCURACY_RANGE, METHOD_NAMES, comparison_rows, format_pipeline_report,  # noqa: E402
-                                      phase_sentences, render_html, report_panels, report_title,
+from fedfleet.pipeline_report import (ACCURACY_RANGE, METHOD_NAMES, compare_reports, comparison_rows,  # noqa: E402
+                                      format_pipeline_report, phase_sentences, render_html, report_panels, report_title,
                                       write_plots_and_html)
 from fedfleet.plots import build_figure  # noqa: E402
 from fedfleet.sim_config import PRESETS  # noqa: E402
@@ -122,6 +122,32 @@ def test_secure_report_says_it_is_secure_and_carries_the_comparison_table(tmp_pa
 
     with Image.open(tmp_path / "report.png") as img:
         assert img.size[0] > 3 * img.size[1] * 0.9         # three panels side by side
+
+
+def test_the_comparison_says_why_a_secure_averaging_phase_need_not_follow_the_plain_one(tmp_path):
+    """The secure FedAvg family averages without the plaintext layers that need each update (its
+    rounds equal plain FedAvg's plain weighted mean: tests/test_fedavg_secure_over_mqtt.py), so the
+    comparison names the two jobs' actual defaults; a Fed3R-only comparison (exact either way) has no note."""
+    from aggregator.jobs.fedavg import FedAvgConfig
+    from aggregator.jobs.secure_fedavg import SecureFedAvgConfig
+
+    plain, secure = fake_run(6, False), fake_run(7, True)
+    secure["compared_with"] = plain
+    text = compare_reports(plain, secure)
+    note = text.splitlines()[-1]
+    assert note.startswith("note: ")
+    assert f"{FedAvgConfig().norm_bound_multiplier:g}x the round's median norm" in note
+    assert f"(beta {FedAvgConfig().history_momentum:g})" in note
+    assert f"(beta {SecureFedAvgConfig().history_momentum:g})" in note
+    assert FedAvgConfig().history_momentum != SecureFedAvgConfig().history_momentum
+    write_plots_and_html(secure, tmp_path)
+    page = (tmp_path / "report.html").read_text().replace("&quot;", '"').replace("&#x27;", "'")
+    assert f'<p id="averaging-note">{note}</p>' in page
+    for report in (plain, secure):
+        del report["phases"]["fedavg-ft"]
+    assert "note:" not in compare_reports(plain, secure)
+    write_plots_and_html(secure, tmp_path)
+    assert "averaging-note" not in (tmp_path / "report.html").read_text()
 
 
 def test_a_pp_pipeline_report_plots_the_pp_rounds_after_fed3r_and_says_what_the_own_bias_gave():
