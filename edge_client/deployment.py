@@ -428,8 +428,11 @@ class DeploymentFollower(LinkWorker):
             if self._retry["a"]["seq"] == a["seq"]:     # its re-delivery: the held head is still being adopted
                 return
             self._retry = None                          # a newer assignment replaces it
+        if self._pending is not None and self._pending["seq"] != a["seq"]:
+            # a newer assignment ends the older one's fetch, whatever it says: its head arriving later
+            # (late, or replayed) swapped in a version the aggregator had since withdrawn (a review's finding)
+            self._pending = None
         if a["action"] == D.ROLLBACK:
-            self._pending = None if self._pending and self._pending["deployment"] == a["deployment"] else self._pending
             try:
                 if self.slot.revert(a["deployment"]):
                     log.warning("%s: deployment %s rolled back (%s): running the kept version again", self.device_id,

@@ -15,7 +15,7 @@ import pytest
 from aggregator.deployments.controller import DeploymentController
 from aggregator.storage.store import Store
 from edge_client.deployment import DeploymentFollower, ModelSlot
-from protocols.envelope import Envelope, decode
+from protocols.envelope import Envelope, decode, encode
 from protocols.identity import DeviceIdentity
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads import deployment as D
@@ -173,6 +173,65 @@ def tagged_canary(ctl, store, fleet, model: int, sha: str, deployment_id: str = 
     ctl.call(lambda: ctl.deploy(model, cohort="tags:lab", stages="100%", bake_s=3600, deployment_id=deployment_id))
     wait_for(lambda: fleet.sha("cam-0") == sha and ctl.show(deployment_id)["devices"]["cam-0"]["report"] is not None,
              what="the candidate judged on the tagged device")
+
+
+def running(slot_dir) -> str | None:
+    """The sha256 of the head the slot in ``slot_dir`` runs, as its state file says (None: none yet)."""
+    try:
+        current = ModelSlot(slot_dir).current
+    except (OSError, ValueError):       # not written yet
+        return None
+    return current.sha256 if current else None
+
+
+def newer_assignment_ends_an_older_fetch(broker, agg, topics, device, slot_dir, good, broken, retry_s) -> None:
+    """A device (any follower, seen only through the broker and its slot folder) fetching the head of
+    its assignment (a canary's run, seq 2) that is then sent a newer one (the settled version's run,
+    seq 4, the head it already runs: the controller's answer to the candidate's rollback, seq 3,
+    which the broker path delivers after it, so it is refused as stale) no longer wants the older
+    head: the candidate's signed head arriving now (late, or captured and replayed) is not swapped
+    in, and the device stops asking for it. ``retry_s``: how often the device asks for a head."""
+    from protocols.payloads.artifacts import GET, artifact_message
+
+    good_head, broken_head = D.head_npz(*good), D.head_npz(*broken)
+    good_sha, broken_sha = D_sha(good), D_sha(broken)
+    sniffer = Sniffer(broker, [topics.deploy_out(device)])
+
+    def sent(kind) -> list[dict]:
+        return [e.body for e in map(decode, sniffer.seen.get(topics.deploy_out(device), [])) if e.type == kind]
+
+    def assign(env, retain=True):
+        sniffer.publish(topics.deploy(device), encode(env, signer=agg.sign), retain=retain)
+
+    def head(sha, name, data):
+        sniffer.publish(topics.deploy_in(device), encode(artifact_message(AGGREGATOR_ID, sha, name, data),
+                                                         signer=agg.sign))
+
+    def asked_for(sha) -> int:
+        return sum(body["sha256"] == sha for body in sent(GET))
+    try:
+        assign(D.run_message(AGGREGATOR_ID, "s", good_sha, len(good_head), 1, device=device, seq=1))
+        wait_for(lambda: asked_for(good_sha), what="the settled head asked for")
+        head(good_sha, "s.npz", good_head)
+        wait_for(lambda: running(slot_dir) == good_sha and len(sent(D.REPORT)) == 1, what="the settled version")
+        # the candidate's run: its head is asked for and not (yet) answered
+        assign(D.run_message(AGGREGATOR_ID, "c", broken_sha, len(broken_head), 2, device=device, seq=2))
+        wait_for(lambda: asked_for(broken_sha), what="the candidate's head asked for")
+        # the settled version's run again, judged and reported; then the candidate's rollback, stale
+        assign(D.run_message(AGGREGATOR_ID, "s", good_sha, len(good_head), 1, device=device, seq=4))
+        wait_for(lambda: any(r["seq"] == 4 and "n" in r for r in sent(D.REPORT)), what="the settled version under seq 4")
+        assign(D.rollback_message(AGGREGATOR_ID, "c", "guard failed", device=device, seq=3), retain=False)
+        wait_for(lambda: any(r.get("reason") == "stale" for r in sent(D.REPORT)), what="the stale rollback refused")
+        time.sleep(3 * retry_s)             # a fetch still running asks again meanwhile
+        asked = asked_for(broken_sha)
+        head(broken_sha, "c.npz", broken_head)
+        time.sleep(max(1.0, 3 * retry_s))   # time enough to swap, had it been taken (it takes ~10 ms)
+        assert running(slot_dir) == good_sha, "the rolled-back candidate's head was swapped in"
+        assert asked_for(broken_sha) == asked, "the device still asks for the older assignment's head"
+        assert not [r for r in sent(D.REPORT) if r["seq"] == 2], sent(D.REPORT)
+    finally:
+        sniffer.publish(topics.deploy(device), b"", retain=True)
+        sniffer.close()
 
 
 class LyingFollower(DeploymentFollower):

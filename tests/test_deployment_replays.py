@@ -17,7 +17,8 @@ from edge_client.deployment import DeploymentFollower, ModelSlot
 from protocols.envelope import decode, encode
 from protocols.payloads import deployment as D
 from ops_fleet import wait_for
-from deployment_fleet import Sniffer, D_sha, forget_session, model_id, settled_on_v1, store_state, tagged_canary
+from deployment_fleet import (Sniffer, D_sha, forget_session, model_id, newer_assignment_ends_an_older_fetch,
+                              settled_on_v1, store_state, tagged_canary)
 from deployment_fleet import setup, world  # noqa: F401 (fixtures)
 
 
@@ -165,3 +166,24 @@ def test_a_device_let_go_by_a_canary_that_takes_a_replayed_candidate_is_sent_the
                  what=f"cam-0 on the settled version again (the controller's last: {ctl.last['cam-0']})")
     finally:
         sniffer.close()
+
+
+
+def test_a_newer_assignment_ends_the_fetch_of_an_older_ones_head(broker, tmp_path, world):
+    """deployment_fleet.newer_assignment_ends_an_older_fetch on the Python follower (the Java one:
+    tests/test_java_deployment.py). Before, the fetch ran on, and the head of the rolled-back
+    candidate arriving late became the running version."""
+    from protocols.identity import DeviceIdentity
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.topics import AGGREGATOR_ID, Topics
+
+    agg = DeviceIdentity.generate(AGGREGATOR_ID)
+    T = Topics(f"r{time.monotonic_ns()}")
+    follower = DeploymentFollower("cam-0", BrokerConfig.from_url(broker.url), ModelSlot(tmp_path / "slot"),
+                                  lambda bundle: world["holdout"]["cam-0"], topics=T, aggregator_key=agg.public_key_bytes,
+                                  retry_s=0.2, fetch_timeout_s=30).start()
+    try:
+        newer_assignment_ends_an_older_fetch(broker, agg, T, "cam-0", tmp_path / "slot", world["good"],
+                                             world["broken"], retry_s=0.2)
+    finally:
+        follower.stop()

@@ -331,3 +331,25 @@ def test_a_java_device_follows_a_rollout_over_mosquitto(java_cp, world, broker, 
             proc.kill()
         ctl.stop()
         store.close()
+
+
+def test_a_newer_assignment_ends_the_java_devices_fetch_of_an_older_ones_head(java_cp, world, broker, tmp_path):
+    """deployment_fleet.newer_assignment_ends_an_older_fetch on the Java follower, as on the Python
+    one (tests/test_deployment_replays.py): a late head of the older assignment is not swapped in."""
+    from deployment_fleet import newer_assignment_ends_an_older_fetch
+    from protocols.topics import Topics
+
+    agg, (good, other), Z, y = world["aggregator"], world["heads"], world["Z"], world["y"]
+    topics, slot = Topics(f"j{time.monotonic_ns()}"), tmp_path / "jslot"
+    proc = subprocess.Popen(java_build.java_command("-cp", java_cp, "FollowerRunner", broker.url, "jcam", topics.root,
+                                                    agg.public_key_bytes.hex(), str(slot),
+                                                    str(write_features(tmp_path / "held.bin", Z, y))),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        newer_assignment_ends_an_older_fetch(broker, agg, topics, "jcam", slot, good, other, retry_s=0.5)
+        out, err = proc.communicate("", timeout=30)
+        assert "CURRENT " + hashlib.sha256(D.head_npz(*good)).hexdigest() in out, (out, err[-2000:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()

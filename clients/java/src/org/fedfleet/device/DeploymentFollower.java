@@ -164,8 +164,10 @@ public final class DeploymentFollower implements AutoCloseable {
             if (retry.a.seq == a.seq) return;      // its re-delivery: the held head is still being adopted
             retry = null;                          // a newer assignment replaces it
         }
+        // a newer assignment ends the older one's fetch, whatever it says: its head arriving later (late,
+        // or replayed) swapped in a version the aggregator had since withdrawn (as the Python device's)
+        if (pending != null && pending.seq != a.seq) pending = null;
         if (a.action.equals(ModelSlot.ROLLBACK)) {
-            if (pending != null && pending.deployment.equals(a.deployment)) pending = null;
             try {
                 if (slot.revert(a.deployment))
                     LOG.warning(deviceId + ": deployment " + a.deployment + " rolled back (" + a.reason + "): running the kept version again");
