@@ -7,7 +7,8 @@ fleet and its controller: tests/deployment_fleet.py).
 * a failing guard (a head with permuted classes) rolls every canary device back to the version
   it kept, and the devices outside the canary never see the candidate;
 * an offline device receives the current version when it comes online;
-* a restarted controller resumes the same deployment and re-sends nothing;
+* a restarted controller resumes the same deployment and re-sends nothing; one that went down
+  between storing a rollback and publishing it sends it when it starts again;
 * the running head deployed anew is judged once, and comes from the new deployment.
 
 The operator's CLI: test_deployment_admin_cli.py; what a device refuses:
@@ -17,10 +18,12 @@ a personalising (OLL) device: test_deployment_oll.py; the slot's writes: test_mo
 import time
 
 import numpy as np
+import pytest
 
 from edge_client.deployment import ModelSlot
 from ops_fleet import wait_for
 from deployment_fleet import DEVICES, N_HOLDOUT, D_sha, Sniffer, correct, model_id, store_state
+from protocols.payloads import deployment as D
 from deployment_fleet import setup, world  # noqa: F401 (fixtures)
 
 
@@ -93,6 +96,47 @@ def test_a_restarted_controller_resumes_the_deployment_and_resends_nothing(setup
     after = ctl2.show("good-1")["devices"]
     assert {d: after[d]["sent_at"] for d in sent_at} == sent_at          # the canary was not sent it again
     assert all(len(fleet.followers[d].reports) == reports[d] for d in sent_at)
+
+
+
+class Crash(Exception):
+    """The controller's process ends here (what it stored stays stored; nothing after it happens)."""
+
+
+@pytest.mark.parametrize("down", ["before the rollback is recorded", "before the rollback is published"])
+def test_a_controller_down_mid_rollback_sends_the_rollback_when_it_starts_again(setup, world, down):
+    """The first deployment of a fleet (no settled version to follow) is rolled back and the
+    controller goes down after storing the rolled-back state: before it recorded the devices'
+    rollback, or after recording it and before the broker had it (a publish still in the MQTT
+    client's memory, or the broker unreachable). Restarted, it must still reach the canary device,
+    which goes back to the version it kept (none), as it does when nothing goes down. Before, the
+    restart sent nothing (the deployment no longer active, no settled version): the device ran the
+    rolled-back candidate for good."""
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    fleet.start("cam-0")
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=3600, deployment_id="c1"))
+    wait_for(lambda: fleet.sha("cam-0") == D_sha(world["good"]), what="the canary running the candidate")
+    if down == "before the rollback is recorded":
+        def mark_sent(deployment_id, devices, sent, recorded=ctl.table.mark_sent):
+            if sent == D.ROLLBACK:
+                raise Crash(down)
+            return recorded(deployment_id, devices, sent)
+        ctl.table.mark_sent = mark_sent
+    else:
+        ctl.link.publish_envelope = lambda *args, **kwargs: 0
+    try:
+        ctl.call(lambda: ctl.rollback("c1", "withdrawn"))
+    except Crash:
+        pass
+    ctl.stop()
+    assert store_state(store, "c1") == "rolled_back" and fleet.sha("cam-0") == D_sha(world["good"])
+
+    ctl2 = controller()
+    wait_for(lambda: fleet.sha("cam-0") is None, timeout=15,
+             what=f"cam-0 back on the version it kept (the controller's last: {ctl2.last.get('cam-0')})")
+    assert ctl2.show("c1")["devices"]["cam-0"]["sent"] == D.ROLLBACK and ctl2.active is None
 
 
 def test_the_running_head_deployed_anew_is_judged_once_and_comes_from_the_new_deployment(setup, world, broker):

@@ -8,7 +8,8 @@ has its own topics, ``protocols/payloads/deployment.py``), with one active deplo
   and feeds the machine the reports of that stage's devices;
 * it answers head fetches (``artifact.get`` on a device's deploy outbox) with the head's bytes;
 * it stores each report, each assignment sent and each state change (``DeploymentStore``) before
-  acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing;
+  acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing (each
+  device's last assignment is published again as it was, the same sequence: a re-delivery);
 * on a rollback it publishes a retained ``rollback`` to every device it had sent ``run``;
 * every assignment names its device and carries a sequence above any that device was sent before
   (``DeploymentStore.mark_sent``): devices refuse a lower one, so a replayed capture is refused. A
@@ -86,6 +87,7 @@ class DeploymentController(LinkWorker):
         self._head_answers = RepeatLimiter(HEAD_RESEND_S)
         self._reassignments = RepeatLimiter(HEAD_RESEND_S, answers=1)
         self._next_tick = 0.0
+        self._redelivered = False                # the last assignments published again at the first tick
         self.active: Served | None = None        # in canary or widening
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
         self.last = self.table.last_assignments()   # device -> (deployment, seq) it was last sent
@@ -104,6 +106,9 @@ class DeploymentController(LinkWorker):
     def _tick(self, now: float) -> None:
         if now >= self._next_tick:          # not once per message: a fleet's reports come in bursts
             self._next_tick = now + self.tick_s
+            if not self._redelivered:
+                self._redelivered = True
+                self._redeliver()
             self._flush_counts()
             self._roll_out(time.time())
 
@@ -252,8 +257,8 @@ class DeploymentController(LinkWorker):
             self._release_message(served, devices)
 
     def _release_message(self, served: Served, devices: list[str]) -> None:
-        self._send(served, devices, D.ROLLBACK, lambda d, seq: D.rollback_message(
-            AGGREGATOR_ID, served.dep.deployment_id, "the device left the deployment's cohort", device=d, seq=seq))
+        self._send(served, devices, D.ROLLBACK, _rollback_of(served.dep.deployment_id,
+                                                             "the device left the deployment's cohort"))
 
     def _weight_caps(self, reports: dict[str, DeviceReport]) -> dict[str, int]:
         """Each judged device's weight in the pooled ``wma_*``: at most max_device_n, at most the
@@ -278,8 +283,7 @@ class DeploymentController(LinkWorker):
                 # message replaced their run of the candidate, their reports then refused as late)
                 self._send(served, sorted(d for d in served.sent if served.has_run(d)
                                           and self.last.get(d, ("",))[0] == dep.deployment_id), D.ROLLBACK,
-                           lambda d, seq: D.rollback_message(AGGREGATOR_ID, dep.deployment_id, act.reason,
-                                                             device=d, seq=seq))
+                           _rollback_of(dep.deployment_id, act.reason))
         if dep.state is DeploymentState.COMPLETE and served is self.active:
             self.active, self.settled = None, served
         elif dep.state is DeploymentState.ROLLED_BACK and served is self.active:
@@ -290,12 +294,45 @@ class DeploymentController(LinkWorker):
             log.info("deployment %s is %s", dep.deployment_id, dep.state)
 
     def _send_run(self, served: Served, devices: list[str]) -> None:
-        dep = served.dep
-        if not devices:
-            return
-        bundle = self._bundle_of(dep.model_id)
-        self._send(served, devices, D.RUN, lambda d, seq: D.run_message(
-            AGGREGATOR_ID, dep.deployment_id, dep.model_sha256, len(served.head), dep.model_id, bundle, device=d, seq=seq))
+        if devices:
+            self._send(served, devices, D.RUN, self._run_of(served))
+
+    def _run_of(self, served: Served) -> Callable[[str, int], Any]:
+        """``message(device, seq)``: the deployment's run assignment."""
+        dep, bundle = served.dep, self._bundle_of(served.dep.model_id)
+        return lambda d, seq: D.run_message(AGGREGATOR_ID, dep.deployment_id, dep.model_sha256, len(served.head),
+                                            dep.model_id, bundle, device=d, seq=seq)
+
+    def _redeliver(self) -> None:
+        """At start: each device's last assignment published again as it was (deployment, action,
+        sequence: a device takes it as a re-delivery, as it takes the broker's retained copy at every
+        reconnect), and a run of a deployment rolled back meanwhile followed by its rollback, as
+        ``_apply`` sends it. An assignment is recorded before it is published, and a state before its
+        assignments are recorded: a process that ended between the two (or with publishes still in
+        its MQTT client, the broker unreachable) left a device told nothing, and with no settled
+        version to follow a canary device ran the rolled-back candidate for good (a review's finding).
+        A run of a halted deployment is not sent again (nothing more is), nor of an older complete
+        one (the settled version's run follows, ``_roll_out``)."""
+        by_deployment: dict[str, list[tuple[str, int]]] = {}
+        for device, (deployment_id, seq) in sorted(self.last.items()):
+            by_deployment.setdefault(deployment_id, []).append((device, seq))
+        served = {s.dep.deployment_id: s for s in (self.active, self.settled) if s is not None}
+        for deployment_id, assigned in by_deployment.items():
+            row = self.table.get(deployment_id)
+            sent = served[deployment_id].sent if deployment_id in served else self.table.devices(deployment_id)
+            run = self._run_of(served[deployment_id]) if deployment_id in served else None
+            rollback = _rollback_of(deployment_id, row["spec"]["reason"] or "rolled back")
+            for device, seq in assigned:
+                message = rollback if sent[device]["sent"] == D.ROLLBACK else run
+                if message is not None:
+                    self.link.publish_envelope(self.topics.deploy(device), message(device, seq), signer=self.signer,
+                                               retain=True)
+            if row["state"] == DeploymentState.ROLLED_BACK:
+                runs = [d for d, _ in assigned if sent[d]["sent"] == D.RUN]
+                if runs:
+                    log.warning("deployment %s: its rollback not recorded for %d device(s): sent now", deployment_id,
+                                len(runs))
+                    self._send(Served(Deployment.from_dict(row["spec"]), b"", sent), runs, D.ROLLBACK, rollback)
 
     def _bundle_of(self, model_id: int) -> str:
         """The exported bundle whose features the model's head reads: its job's (``""``: the devices' own)."""
@@ -411,6 +448,11 @@ class DeploymentController(LinkWorker):
         if self._counts:
             counts, self._counts = self._counts, {}
             self.table.add_counts(counts)
+
+
+def _rollback_of(deployment_id: str, reason: str) -> Callable[[str, int], Any]:
+    """``message(device, seq)``: the deployment's rollback assignment."""
+    return lambda d, seq: D.rollback_message(AGGREGATOR_ID, deployment_id, reason, device=d, seq=seq)
 
 
 def report_of(stored: dict) -> DeviceReport:
