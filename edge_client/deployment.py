@@ -13,7 +13,8 @@ right, swaps, and reports the counts; for a ``rollback`` it goes back to the ver
 An assignment that is not signed by the aggregator (when the device holds its key), names
 another device, or carries a sequence below the one the slot holds (a captured assignment
 replayed later) is refused; a head is taken only as the answer to the assignment being fetched
-(its sha256 and its deployment); a head that cannot be fetched, verified or loaded is refused.
+(its sha256 and its deployment; a newer assignment ends the fetch); a head that cannot be fetched,
+verified or loaded is refused.
 What fails on the device's own side (the application's held-out features, writing the slot) is
 not the head's fault: the fetched head is adopted again every ``retry_s`` and refused only after
 ``fetch_timeout_s``, so a passing failure does not count against the rollout's guard.
