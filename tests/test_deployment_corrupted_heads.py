@@ -1,6 +1,7 @@
 """A stored head altered on disk (replaced by a valid file with other arrays, or a bit flipped): the
 restarted controller halts that model's deployment with the reason and goes on serving the settled
-version and rolling out other models; deploying the bit-flipped model is one clear error."""
+version and rolling out other models; deploying the bit-flipped model is one clear error, and so
+is deploying a model whose head every device would refuse (a NaN, a weight past float32)."""
 
 import pytest
 
@@ -56,3 +57,33 @@ def test_a_corrupted_stored_head_halts_its_deployment_and_nothing_else(setup, wo
     ctl2.call(lambda: ctl2.deploy(third, cohort="devices:cam-1", stages="100%", bake_s=0, min_reports=1,
                                   deployment_id="third"))
     wait_for(lambda: store_state(store, "third") == "complete", what="another model's rollout")
+
+
+def test_a_model_every_device_would_refuse_is_not_deployed(setup, world):
+    """A review's finding: a stored model with a NaN (diverged training), or a float64 weight past
+    float32's range (infinite in the head file devices read), started a rollout that the canary
+    could only refuse and roll back. Deploying it is now one clear error naming the device's own
+    check; nothing is created, nothing is sent, and a finite model deploys after it."""
+    import numpy as np
+
+    from aggregator.storage.deployments import DeploymentStore
+
+    store, controller, fleet = setup
+    W, b = world["good"]
+    nan_W = W.copy()
+    nan_W[0, 0] = np.nan
+    huge_b = b.copy()
+    huge_b[-1] = 1e39                       # finite in float64, inf once the head file's float32
+    diverged, too_large, good = (model_id(store, name, w, c) for name, w, c in
+                                 (("diverged", nan_W, b), ("too-large", W, huge_b), ("good", W, b)))
+    fleet.start("cam-0")
+    ctl = controller()
+    for bad in (diverged, too_large):
+        with pytest.raises(ValueError, match=rf"model {bad} cannot be deployed: devices refuse its head .*finite"):
+            ctl.call(lambda: ctl.deploy(bad, cohort="devices:cam-0", deployment_id=f"bad-{bad}"))
+        assert DeploymentStore(store).get(f"bad-{bad}") is None
+    assert ctl.active is None and DeploymentStore(store).last_assignments() == {}
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0, min_reports=1,
+                                deployment_id="good"))
+    wait_for(lambda: store_state(store, "good") == "complete", what="the finite model's rollout")
+    assert fleet.sha("cam-0") == D_sha((W, b))

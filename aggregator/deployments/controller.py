@@ -159,6 +159,17 @@ class DeploymentController(LinkWorker):
             raise CorruptModel(f"model {model_id}'s stored arrays no longer hash to the sha256 recorded with them")
         return D.head_npz(*D.head_arrays(arrays))
 
+    @staticmethod
+    def _check_devices_take(model_id: int, head: bytes) -> None:
+        """ValueError when every device would refuse the head file (``head_from_npz``, the device's
+        own check: a NaN or infinity, e.g. from diverged training, or a weight past float32's range,
+        which the file's float32 makes infinite): such a rollout could only roll back, after a
+        canary's worth of refusals."""
+        try:
+            D.head_from_npz(head, hashlib.sha256(head).hexdigest())
+        except EnvelopeError as exc:
+            raise ValueError(f"model {model_id} cannot be deployed: devices refuse its head ({exc})") from None
+
     # ------------------------------------------------------------------ operator actions
     def deploy(self, model_id: int, cohort: str = "5%", stages: str = "100%", guard: str = DEFAULT_GUARD,
                bake_s: float = 600.0, min_reports: int = DEFAULT_MIN_REPORTS, patience_s: float = 600.0, deployment_id: str = "",
@@ -167,6 +178,7 @@ class DeploymentController(LinkWorker):
             raise StoreError(f"deployment {self.active.dep.deployment_id} is {self.active.dep.state}: "
                              "promote it to the end or roll it back first")
         head = self._head_bytes(model_id)
+        self._check_devices_take(model_id, head)
         deployment_id = deployment_id or f"m{model_id}-{int(time.time())}"
         if not _ID.fullmatch(deployment_id):
             raise ValueError(f"deployment id {deployment_id!r}: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
