@@ -28,7 +28,7 @@ def lose_state(fleet, device: str) -> None:
     shutil.rmtree(fleet.tmp / device)
 
 
-def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_counted(setup, world, broker):
+def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_counted(setup, world, broker, caplog):
     store, controller, fleet = setup
     T = fleet.topics
     sniffer = Sniffer(broker, [T.deploy("cam-0"), T.deploy_in("cam-0")])
@@ -68,6 +68,17 @@ def test_a_replayed_older_assignment_and_head_are_refused_and_late_reports_count
         sniffer.publish(T.deploy_out("cam-0"), encode(late))
         wait_for(lambda: ctl.show("v1")["counts"]["late_reports"] == 1, what="the late report counted")
         assert ctl.show("v1")["devices"]["cam-0"]["report"] == v1_report
+        # sent again and again, it adds nothing within the window (a review's finding: one device
+        # inflated any deployment's counters as fast as it could send)
+        def refused_late() -> int:      # the controller's warning for each late report it refuses
+            return sum("report from cam-0 on v1" in r.getMessage() for r in caplog.records)
+
+        seen = refused_late()
+        for _ in range(10):
+            sniffer.publish(T.deploy_out("cam-0"), encode(late))
+        wait_for(lambda: refused_late() >= seen + 10, what="the repeats refused")
+        time.sleep(2 * ctl.tick_s)               # a flush of the counters had they been counted
+        assert ctl.show("v1")["counts"]["late_reports"] == 1
         # the device's refusals, by class, on the deployment it runs
         # cam-0's and cam-1's refusal reports travel on two devices' topics: either may arrive last
         wait_for(lambda: ctl.show("v2")["counts"].get("refused:stale") == 1, what="the stale refusal counted")

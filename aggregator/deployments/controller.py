@@ -86,6 +86,10 @@ class DeploymentController(LinkWorker):
         self.verifier = verifier
         self._head_answers = RepeatLimiter(HEAD_RESEND_S)
         self._reassignments = RepeatLimiter(HEAD_RESEND_S, answers=1)
+        # a device adds to one counter of a deployment at most once per window: the counters are
+        # the operator's view of refusals and late reports, which one device could otherwise inflate
+        # on any deployment as fast as it sends reports (a review's finding)
+        self._counted = RepeatLimiter(HEAD_RESEND_S, answers=1)
         self._next_tick = 0.0
         self._redelivered = False                # the last assignments published again at the first tick
         self.active: Served | None = None        # in canary or widening
@@ -419,11 +423,11 @@ class DeploymentController(LinkWorker):
         if served is None and self.table.get(dep_id) is None:      # counted only for a deployment that exists
             return log.info("report from %s on unknown deployment %s ignored", device, dep_id)
         if report.get("refused"):
-            self._count(dep_id, f"refused:{report['reason']}")
+            self._count_from(device, dep_id, f"refused:{report['reason']}")
         sent = served.sent.get(device) if served is not None else None
         if (sent is None or sent["sent"] != D.RUN or report["sha256"] != served.dep.model_sha256
                 or self.last.get(device) != (dep_id, report["seq"])):
-            self._count(dep_id, "late_reports")
+            self._count_from(device, dep_id, "late_reports")
             log.warning("report from %s on %s (assignment %d) refused: not about its last assignment %s",
                         device, dep_id, report["seq"], self.last.get(device))
             return self._reassign(device)
@@ -453,6 +457,10 @@ class DeploymentController(LinkWorker):
 
     def _count(self, deployment_id: str, name: str) -> None:
         self._counts[(deployment_id, name)] = self._counts.get((deployment_id, name), 0) + 1
+
+    def _count_from(self, device: str, deployment_id: str, name: str) -> None:
+        if self._counted.allow(device, (deployment_id, name)):
+            self._count(deployment_id, name)
 
     def _flush_counts(self) -> None:
         """Counters are stored once per tick, not once per message: a device flooding reports
