@@ -257,3 +257,37 @@ def test_secure_device_sends_its_noisy_feature_sum_then_centred_statistics(tmp_p
     expected = add_skellam_noise(vector, dp["stddev"], dp["scale_bits"], np.random.default_rng(12),
                                  noised=slice(0, len(vector) - 1))
     np.testing.assert_allclose(device.vector(params, tensors), expected, rtol=1e-12, atol=1e-9)
+
+
+def test_a_devices_noise_shares_are_each_seeded_afresh_from_the_operating_system(tmp_path, monkeypatch):
+    """Unseeded (as a device runs), each noise share comes from a generator seeded from 256 bits of
+    os.urandom drawn for that share, never from one stream for the process's life (PCG64 is not
+    cryptographic: inferring its state once gave every later share; the Java device draws from
+    SecureRandom). With os.urandom pinned, two shares of the same vector are the same bits, and the
+    same as a generator seeded with those bits; unpinned, they differ."""
+    from edge_client.tasks.secure_fed3r import SecureFed3R
+    from protocols.identity import DeviceIdentity
+    from protocols.secagg.distributed_dp import add_skellam_noise
+
+    devices = [f"cam-{i}" for i in range(6)]
+    job = sync_job(devices, max_samples=2)
+    chosen = job.next_participants(set(devices))
+    params, tensors = job.task_for(chosen[0])
+    Z, y = data(5, 7)
+    device = SecureFed3R(DeviceIdentity.generate("cam-0"), job.identity.public_key_bytes,
+                         Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D),
+                                        windows=kept_windows(tmp_path)))
+    first, second = device.vector(params, tensors), device.vector(params, tensors)
+    assert not np.array_equal(first, second)              # fresh entropy: other noise
+    pinned = bytes(range(32))
+    import os
+
+    monkeypatch.setattr(os, "urandom", lambda n: pinned[:n])
+    first, second = device.vector(params, tensors), device.vector(params, tensors)
+    np.testing.assert_array_equal(first, second)
+    rows = clip(Z[:2].astype(np.float32).astype(np.float64), 20.0)
+    dp = params["dp"]
+    seeded = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int.from_bytes(pinned, "big"))))
+    expected = add_skellam_noise(np.r_[rows.sum(axis=0), 2.0], dp["stddev"], dp["scale_bits"], seeded,
+                                 noised=slice(0, D + 1))
+    np.testing.assert_allclose(first, expected, rtol=1e-12, atol=1e-9)

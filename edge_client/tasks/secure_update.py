@@ -15,6 +15,7 @@ Subclasses: ``SecureFed3R`` (statistics, ``secure_fed3r.py``) and ``SecureFedAvg
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -79,20 +80,31 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
     """A protocol handler for the agent: ``on_task`` and ``on_message`` return envelopes to send.
 
     ``sessions``: shared with the device's other secure task kinds (default: its own).
-    ``noise_rng``: the source of the device's share of DP noise (OS entropy; seeded only in tests)."""
+    ``noise_rng``: the source of the device's share of DP noise; None (what a device runs): a
+    generator seeded afresh from the operating system (256 bits, ``os.urandom``) for each share.
+    Why not one generator for the process's life: PCG64 is not cryptographic, so whoever inferred
+    its state once (from any draw it learned) would know every later share of that device's noise,
+    and could take it out of the sums; a fresh seed per share confines that to one share, as the
+    aggregator's central noise does (``aggregator/strategies/dp_noise.py``). Tests pass a seeded one."""
 
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes,
                  sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
         self.identity = identity
         self.aggregator_public_key = aggregator_public_key
         self.sessions = sessions or SecAggSessions(identity.device_id)
-        self.noise_rng = noise_rng if noise_rng is not None else np.random.default_rng()
+        self.noise_rng = noise_rng
+
+    def noise_generator(self) -> np.random.Generator:
+        """The generator of one share: the test's, else seeded afresh from the operating system."""
+        if self.noise_rng is not None:
+            return self.noise_rng
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int.from_bytes(os.urandom(32), "big"))))
 
     def add_noise(self, vector: np.ndarray, dp: DpRound, noised: slice | None = None) -> np.ndarray:
         """Distributed DP: the device's Skellam share on ``noised`` (default: every entry but the
         last, the count), at the round's scale (``protocols.secagg.distributed_dp``)."""
         try:
-            return add_skellam_noise(vector, float(dp.stddev), int(dp.scale_bits), self.noise_rng,
+            return add_skellam_noise(vector, float(dp.stddev), int(dp.scale_bits), self.noise_generator(),
                                      noised=slice(0, len(vector) - 1) if noised is None else noised)
         except (ValueError, SecAggError) as exc:
             raise TaskDeclined(f"bad dp params {dp!r}: {exc}") from exc
