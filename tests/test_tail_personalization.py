@@ -12,6 +12,7 @@ from edge_client.tasks.head_training import LocalTraining
 from edge_client.tasks.personalization import PersonalizeTask
 from edge_client.tasks.tail_personalization import TailFineTuning, masked_head
 from edge_client.tasks.tail_training import TailFeatures, TailTrainingTask
+from protocols.payloads.fedavg import MAX_LOCAL_STEPS
 
 C, D = 10, 1280          # the 32 px bundle's head
 
@@ -103,3 +104,21 @@ def test_fp_of_the_tail_is_declined_without_a_tail_bundle_or_with_a_bad_part(tai
         device(tail_bundle)({**params, "fp_part": "tail"}, tensors)
     with pytest.raises(ValueError, match="fp_part"):
         job("everything")
+
+
+def test_fp_of_the_tail_counts_every_cross_validation_fit_against_the_step_budget(tail_bundle, monkeypatch):
+    """FP(φ)'s cross-validation fits the tail once per fold and rate, each fit within the step budget
+    alone: 20 folds x 16 rates of 10,000 epochs in batches of 1 over 24 rows (about 230,000 steps a fit)
+    is 72 million steps through the tail program, hours of a phone's only task thread from one signed
+    task. Declined before any fit, with the count (FP(ψ) counts every head: numpy_head.within_lockstep_work)."""
+    task = device(tail_bundle)
+    params, tensors = job("phi").task_for("dev0")
+    rows, folds, rates, epochs = len(task.train_labels), 20, 16, 10_000
+    fits = [rows - len(part) for part in np.array_split(np.arange(rows), folds)]
+    per_fit = [epochs * fit for fit in fits]                     # batches of 1
+    assert max(per_fit) <= MAX_LOCAL_STEPS < rates * sum(per_fit)       # each alone within, together past
+    monkeypatch.setattr(TailFineTuning, "fit", lambda *a: pytest.fail("a tail fit started"))
+    hostile = {**params, "fp_epochs": epochs, "batch_size": 1, "fp_folds": folds,
+               "fp_lrs": [1e-4 * (i + 1) for i in range(rates)]}
+    with pytest.raises(TaskDeclined, match=f"{rates * sum(per_fit)} SGD steps"):
+        task(hostile, tensors)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.payloads.fedavg import BatchSchedule, TooManySteps, check_local_steps, check_local_work
+from protocols.payloads.fedavg import (MAX_LOCAL_STEPS, BatchSchedule, TooManySteps, check_local_steps,
+                                      check_local_work)
 
 from ..agent import TaskDeclined
 from ..work_deadline import each_checked
@@ -129,6 +130,21 @@ def within_step_budget(rows: int, epochs: int, batch_size: int, per_row: int = 0
             check_local_work(rows, epochs, per_row)
     except TooManySteps as exc:
         raise TaskDeclined(str(exc)) from exc
+
+
+def within_fits_step_budget(row_sets: list[np.ndarray], recipe, rates: int) -> None:
+    """Decline past the step budget counting every fit: each row set trained once per learning rate
+    (FP(φ)/FP(M)'s cross-validation through the tail program, whose 20 folds x 16 rates were each
+    checked alone: 320 budgets from one task, a review's finding; FP(ψ)'s heads are counted alike by
+    :func:`within_lockstep_work`)."""
+    try:
+        steps = rates * sum(check_local_steps(len(rows), recipe.epochs, recipe.batch_size) for rows in row_sets)
+    except TooManySteps as exc:
+        raise TaskDeclined(str(exc)) from exc
+    if steps > MAX_LOCAL_STEPS:
+        raise TaskDeclined(f"cross-validation of {rates} learning rates over {len(row_sets)} folds of {recipe.epochs} "
+                           f"epochs in batches of {recipe.batch_size} is {steps} SGD steps, more than a device takes "
+                           f"({MAX_LOCAL_STEPS})")
 
 
 # The most bytes one lockstep step of train_heads_together may hold: each head's logits over its batch
