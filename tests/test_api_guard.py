@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from aggregator.api import connections, guard
 from aggregator.api.app import create_app
 from aggregator.api.guard import MAX_BODY_BYTES
 from aggregator.api.server import ApiServer
@@ -108,5 +109,39 @@ def test_connections_that_send_no_request_are_closed_and_the_api_keeps_answering
             while chunk := s.recv(4096):        # the answer (401: no token), then the close
                 reply += chunk
             assert reply.startswith(b"HTTP/1.1 ") and time.monotonic() - asked < 5
+    finally:
+        server.stop()
+
+
+def test_sign_ins_whose_form_never_arrives_are_answered_and_the_api_stays_reachable(tmp_path, monkeypatch):
+    """A review's finding: the sign-in POST is the one request read without the token, and the guard
+    waited for ever for its body, so connections that sent the head of a sign-in and then nothing
+    (no token needed) held uvicorn's concurrency slots for good, and the operator got 503s. Each
+    sign-in's form must now be in within the guard's deadline (1 s here): past it the guard answers
+    408 and closes, and the API answers again."""
+    monkeypatch.setattr(guard, "LOGIN_BODY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(connections, "MAX_CONNECTIONS", 16)      # uvicorn's limit_concurrency, read by ApiServer
+    server = ApiServer(create_app(Store(tmp_path / "state.db"), TOKEN), head_timeout_s=1.0).start()
+    health = f"GET /api/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+    try:
+        stalled = []
+        for _ in range(15):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(b"POST /dashboard/login HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ntoken=")
+            stalled.append(s)
+        started = time.monotonic()
+        for s in stalled:
+            s.settimeout(max(0.1, started + 5 - time.monotonic()))
+            reply = b""
+            try:
+                while chunk := s.recv(4096):        # the answer, then the close
+                    reply += chunk
+            except TimeoutError:
+                pass
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+            s.close()
+        assert time.monotonic() - started < 5
+        assert raw_request(server.port, health).startswith(b"HTTP/1.1 200"), "the API is still unreachable"
     finally:
         server.stop()

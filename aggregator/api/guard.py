@@ -11,7 +11,10 @@ session cookie and a redirect to the dashboard. The token never appears in a URL
 proxy logs and Referer headers keep it), and the cookie is not the token: it is an opaque
 session, ``issued.nonce.HMAC-SHA256(token, issued.nonce)``, valid for 12 hours and only as a
 cookie (never as a Bearer token), so a cookie that leaks gives neither the token nor lasting
-access, and a new token ends every session.
+access, and a new token ends every session. Being read without the token, the sign-in form must
+also be in within ``LOGIN_BODY_TIMEOUT_S`` (else 408 and the connection closed): uvicorn has no
+deadline for a body, and sign-ins that sent their head and then nothing held every one of its
+connection slots for good, the operator answered 503 (a review's finding).
 
 A change made with the session cookie (any method but GET, HEAD and OPTIONS) must come from the
 dashboard's own origin: the browser says where a request comes from (``Sec-Fetch-Site``, else
@@ -29,6 +32,7 @@ session to http://fleet.example.com too.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -47,6 +51,7 @@ from aggregator.api.origins import DashboardOrigins
 
 MAX_BODY_BYTES = 1024 * 1024          # the largest request the API takes (a job config, a key)
 MAX_LOGIN_BYTES = 4096                # the sign-in form: one token
+LOGIN_BODY_TIMEOUT_S = 10.0           # ... sent within this of its head (a browser sends it at once)
 COOKIE = "fedfleet_session"
 SESSION_TTL_S = 12 * 3600
 LOGIN_PATH = "/dashboard/login"
@@ -196,16 +201,18 @@ class RequestGuard:
             await _answer(send, 413, f"request body larger than {self.max_body} bytes")
 
     async def _sign_in(self, scope, receive, send) -> None:
-        """The sign-in form's POST: the token in a urlencoded body of at most MAX_LOGIN_BYTES."""
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":       # the client went away
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > MAX_LOGIN_BYTES:
-                return await _answer(send, 413, f"sign-in body larger than {MAX_LOGIN_BYTES} bytes")
+        """The sign-in form's POST: the token in a urlencoded body of at most MAX_LOGIN_BYTES, sent
+        within LOGIN_BODY_TIMEOUT_S."""
+        try:
+            async with asyncio.timeout(LOGIN_BODY_TIMEOUT_S):
+                body = await _login_body(receive)
+        except TimeoutError:
+            return await _answer(send, 408, f"the sign-in form did not arrive within {LOGIN_BODY_TIMEOUT_S:g} s",
+                                 {"connection": "close"})
+        if body is None:                                # the client went away
+            return
+        if len(body) > MAX_LOGIN_BYTES:
+            return await _answer(send, 413, f"sign-in body larger than {MAX_LOGIN_BYTES} bytes")
         given = parse_qs(body.decode("latin-1")).get("token", [""])[0]
         if not token_matches(given, self.token):
             return await _login_page(send, "Wrong token, try again.")
@@ -220,6 +227,19 @@ class RequestGuard:
                     "headers": [(b"location", b"/dashboard/"), (b"content-length", b"0"), (b"cache-control", b"no-store"),
                                 (b"set-cookie", cookie[COOKIE].OutputString().encode())]})
         await send({"type": "http.response.body", "body": b""})
+
+
+async def _login_body(receive) -> bytes | None:
+    """The sign-in request's body, read until it ends or passes MAX_LOGIN_BYTES; None when the
+    client went away."""
+    body, more = b"", True
+    while more and len(body) <= MAX_LOGIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
 
 
 async def _login_page(send, error: str) -> None:
