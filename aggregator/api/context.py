@@ -57,5 +57,7 @@ class ApiContext:
         return row
 
     def job_out(self, row: dict) -> dict:
-        counts = self.store.contribution_counts(row["job_id"])
-        return {**row, "rounds": len(self.store.rounds(row["job_id"])), "contributions": sum(counts.values())}
+        # counted, not read: /api/jobs (every job, each second from the dashboard) parsed every round
+        # of every job to count them
+        return {**row, "rounds": self.store.round_count(row["job_id"]),
+                "contributions": self.store.contribution_count(row["job_id"])}

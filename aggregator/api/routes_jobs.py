@@ -62,10 +62,11 @@ def add_job_routes(app: FastAPI, ctx: ApiContext) -> None:
         ctx.job(job_id)
         return ctx.mutate(lambda: ctx.service.release_quarantine(job_id, device_id))
 
-    @get("/api/jobs/{job_id}/rounds", response_model=list[Round], responses=ONE)
-    def rounds(job_id: str = JobId) -> list[dict]:
+    @get("/api/jobs/{job_id}/rounds", response_model=list[Round], responses=ONE,
+         description="the job's rounds in order; ``last``: only the last that many (the dashboard's page)")
+    def rounds(job_id: str = JobId, last: int | None = Query(default=None, ge=1, le=MAX_ID)) -> list[dict]:
         ctx.job(job_id)
-        return round_views(store, job_id, ctx.live())
+        return round_views(store, job_id, ctx.live(), last)
 
     @get("/api/jobs/{job_id}/rounds/{round_no}", response_model=Round, responses=ONE)
     def round_detail(job_id: str = JobId, round_no: int = Path(ge=1, le=MAX_ID)) -> dict:
@@ -126,15 +127,18 @@ def add_model_routes(app: FastAPI, ctx: ApiContext) -> None:
 
 
 
-def round_views(store: Store, job_id: str, live: dict) -> list[dict]:
-    """Every round of a job as the API shows it: closed rounds as the round machine reported them,
-    the open round from the live round machine (or, service down, from the durable records)."""
+def round_views(store: Store, job_id: str, live: dict, last: int | None = None) -> list[dict]:
+    """Every round of a job (``last``: its last that many) as the API shows it: closed rounds as the
+    round machine reported them, the open round from the live round machine (or, service down, from
+    the durable records)."""
+    stored = store.rounds(job_id, last)
     received: dict[int, dict[str, float]] = {}
-    for c in store.contributions(job_id, with_payload=False):
+    # only the contributions of the rounds shown (a page's first round on)
+    for c in store.contributions(job_id, with_payload=False, after_round=stored[0].round - 1 if stored else 0):
         received.setdefault(c.round, {})[c.device] = c.received_at
     current = (live.get("job") or {}).get("current_round") if (live.get("job") or {}).get("job_id") == job_id else None
     out = []
-    for r in store.rounds(job_id):
+    for r in stored:
         live_round = current if current and current["round"] == r.round else None
         if r.outcome:
             accepted, dropped = r.outcome["accepted"], r.outcome["dropped"]

@@ -108,9 +108,8 @@ class ContributionRepository(StoreConnection):
         self.blobs.remove(orphans)          # after the commit: a crash between leaves files the next open sweeps
         return len(orphans)
 
-    def contribution_counts(self, job_id: str) -> dict[int, int]:
-        return {r[0]: r[1] for r in self.db.execute(
-            "SELECT round, COUNT(*) FROM contributions WHERE job_id=? GROUP BY round", (job_id,))}
+    def contribution_count(self, job_id: str) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM contributions WHERE job_id=?", (job_id,)).fetchone()[0]
 
     def jobs_of_device(self, device: str) -> list[str]:
         """Jobs holding stored contributions of ``device``."""

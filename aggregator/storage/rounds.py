@@ -89,11 +89,19 @@ class RoundRepository(StoreConnection):
             return None
         return r["round"], read_npz(bytes(r["state"])), json.loads(r["contributed"])
 
-    def rounds(self, job_id: str) -> list[StoredRound]:
+    def rounds(self, job_id: str, newest: int | None = None) -> list[StoredRound]:
+        """The job's rounds in order; with ``newest``, only the last that many (what the dashboard
+        shows each second: a long job's thousands of rounds were parsed for it every time)."""
+        rows = self.db.execute("SELECT * FROM rounds WHERE job_id=? ORDER BY round", (job_id,)) if newest is None \
+            else reversed(self.db.execute("SELECT * FROM rounds WHERE job_id=? ORDER BY round DESC LIMIT ?",
+                                          (job_id, newest)).fetchall())
         return [StoredRound(r["job_id"], r["round"], r["state"], tuple(json.loads(r["participants"])),
                             json.loads(r["tasks"]), json.loads(r["bookkeeping"]), r["opened_at"], r["deadline"],
                             r["closed_at"], json.loads(r["outcome"]) if r["outcome"] else None, r["bytes_in"])
-                for r in self.db.execute("SELECT * FROM rounds WHERE job_id=? ORDER BY round", (job_id,))]
+                for r in rows]
+
+    def round_count(self, job_id: str) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM rounds WHERE job_id=?", (job_id,)).fetchone()[0]
 
     def round_events(self, job_id: str, round_: int) -> list[dict]:
         return [dict(r) for r in self.db.execute(

@@ -138,9 +138,13 @@ function showDevices(devices, online, fleet) {
     (d.tags || []).join(", "), Object.entries(d.profile).map(([k, v]) => `${k}=${v}`).join(", ").slice(0, 60)]));
 }
 
+// the rounds table's rows: the only rounds asked for each second (a job of 50,000 rounds is not read
+// whole for it); the open round shown is the first open one among them
+const ROUNDS_SHOWN = 15;
+
 async function showJob(job, live) {
   const id = encodeURIComponent(job.job_id);
-  const [rounds, evals, models] = await Promise.all([api(`/api/jobs/${id}/rounds`), api(`/api/jobs/${id}/evaluations`),
+  const [rounds, evals, models] = await Promise.all([api(`/api/jobs/${id}/rounds?last=${ROUNDS_SHOWN}`), api(`/api/jobs/${id}/evaluations`),
     api(`/api/models?job_id=${id}`)]);
   const isLive = live && live.job_id === job.job_id;
   const open = rounds.find((r) => r.state === "open") || null;
@@ -157,7 +161,7 @@ async function showJob(job, live) {
   $("privacy").textContent = !dp ? "-" : dp.not_private ? "not private (seeded noise)" : `${dp.epsilon.toFixed(3)} (${dp.delta})`;
   $("privacy-detail").textContent = dp ? `z=${dp.noise_multiplier}, budget ${dp.target_epsilon ?? "none"}` : "no DP";
   drawRound(open);
-  fillTable("rounds-table", rounds.slice(-15).reverse().map((r) => [r.round, r.state, r.participants.length,
+  fillTable("rounds-table", rounds.slice().reverse().map((r) => [r.round, r.state, r.participants.length,
     r.accepted.length, r.dropped.length, r.declined.length, r.rejected.length,
     r.duration_s == null ? "open" : r.duration_s.toFixed(1) + "s", (r.bytes_in / 1024).toFixed(1)]));
   drawCurve(evals);
