@@ -94,15 +94,15 @@ class JavaClient:
         self.proc.wait(10)
 
 
-def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0, ring_bits: int = 64, dp: bool = False):
+def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0, ring_bits: int = 64, dp: bool = False, m: int = M):
     rng = np.random.default_rng(seed)
     python_ids = {f"dev-py{i}": DeviceIdentity.generate(f"dev-py{i}") for i in range(n - 1)}
     java_seed = os.urandom(32)
     identities = {**python_ids, JAVA: DeviceIdentity.from_private_bytes(JAVA, java_seed)}
     config = RoundConfig.create(job_id="job", round_id=3, group_id="g3", aggregator_id="aggregator",
-                                members=list(identities), vector_length=M, bound=BOUND, graph=graph,
+                                members=list(identities), vector_length=m, bound=BOUND, graph=graph,
                                 degree=4 if graph == "regular" else None, ring_bits=ring_bits)
-    inputs = {d: rng.uniform(-BOUND, BOUND, M) for d in identities}
+    inputs = {d: rng.uniform(-BOUND, BOUND, m) for d in identities}
     java = JavaClient(java_seed, config, inputs[JAVA], tmp_path, dp=dp)
     return config, identities, inputs, java
 
@@ -304,10 +304,11 @@ def test_java_client_with_distributed_dp_noise_needs_the_64_bit_ring(tmp_path, r
         java.close()
 
 
-def decide_round_starts(tmp_path, starts) -> dict[str, tuple[str, str]]:
+def decide_round_starts(tmp_path, starts, m: int = M) -> dict[str, tuple[str, str]]:
     """name -> (the Python client's decision, the Java client's) on each RoundStart envelope that
-    ``starts(config)`` gives by name, each to a fresh client of the Java device's identity."""
-    config, identities, inputs, java = setup_round(tmp_path, "complete", n=4)
+    ``starts(config)`` gives by name, each to a fresh client of the Java device's identity (inputs of
+    ``m`` entries, the length of ``config``'s vector)."""
+    config, identities, inputs, java = setup_round(tmp_path, "complete", n=4, m=m)
     decisions = {}
     try:
         for name, envelope in starts(config).items():
@@ -322,7 +323,7 @@ def decide_round_starts(tmp_path, starts) -> dict[str, tuple[str, str]]:
                 java.send(envelope)
                 jv = "accepted"
                 java.close()                               # a fresh Java client for the next case
-                _, _, _, java = setup_round(tmp_path, "complete", n=4)
+                _, _, _, java = setup_round(tmp_path, "complete", n=4, m=m)
             except SecAggError as exc:
                 jv = f"refused ({exc})"
             decisions[name] = (py, jv)
@@ -408,3 +409,37 @@ def test_python_and_java_refuse_a_group_beyond_the_protocols_largest_alike(tmp_p
     python, java = decisions["one more"]
     reason = f"a group has at most {MAX_GROUP_SIZE} members, got {MAX_GROUP_SIZE + 1}"
     assert reason in python and reason in java, decisions
+
+
+def test_python_and_java_refuse_a_round_past_the_mask_budget_alike(tmp_path):
+    """A review's finding: nothing bounded the mask work a signed round config asks of a device, (its
+    pairwise masks, one per neighbour, + its self mask) x vector_length words of AES-CTR keystream
+    outside the task's deadline: 9,999 neighbours and a Fed3R-Sync vector kept a phone busy for
+    hours. MAX_MASK_WORDS (2^29, protocols/secagg/config.py) is the most either device takes: a
+    config at it is accepted, one neighbour more refused with the same words before any key is
+    made; a SecAgg+ degree past the group counts the complete graph's n - 1 neighbours."""
+    from protocols.secagg.config import MAX_MASK_WORDS, max_scale_bits
+    words = 2 ** 16                             # 8,192 masks of it are the budget
+
+    def starts(config):
+        def start(n: int, graph: str, degree: int):
+            members = sorted({*_short_ids(n - 1), JAVA})
+            threshold, holders = n * 2 // 3 + 1, min(degree, n - 1) + 1
+            return round_start(config, members=members, threshold=threshold, graph=graph, degree=degree,
+                               share_threshold=threshold if graph == "complete" else holders // 2 + 1,
+                               scale_bits=max_scale_bits(n, config.bound))
+        return {"complete at the budget": start(8192, "complete", 8191),
+                "complete, one member more": start(8193, "complete", 8192),
+                "SecAgg+ at 8,190 neighbours": start(10_000, "regular", 8190),
+                "SecAgg+ at 8,192 neighbours": start(10_000, "regular", 8192),
+                "SecAgg+ degree past its group": start(8193, "regular", 9000)}
+
+    decisions = decide_round_starts(tmp_path, starts, m=words)
+    assert MAX_MASK_WORDS == 8192 * words
+    for name in ("complete at the budget", "SecAgg+ at 8,190 neighbours"):
+        assert decisions[name] == ("accepted", "accepted"), decisions
+    reason = (f"the round asks each member to expand 8193 masks of {words} words ({8193 * words} words), "
+              f"more than a device expands ({MAX_MASK_WORDS})")
+    for name in ("complete, one member more", "SecAgg+ at 8,192 neighbours", "SecAgg+ degree past its group"):
+        python, java = decisions[name]
+        assert reason in python and reason in java, decisions

@@ -108,7 +108,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         # half the coarsest fixed-point step a plain round can have (its largest group: stragglers
         # join the last one): how far each member's entry may be from its exact statistic
         self._resolution = 2.0 ** -(max_scale_bits(config.clients_per_round + MIN_GROUP - 1, self.bound, RING_BITS) + 1)
-        self.vector_length = checked_vector_length(sync_vector_length(config.p, config.num_classes))
+        self.vector_length = checked_vector_length(sync_vector_length(config.p, config.num_classes), config)
         self.group_samples: list[int] = []
         self._round_dp: dict | None = None
 

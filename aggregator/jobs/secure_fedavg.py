@@ -63,7 +63,7 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         super(SecureGroupRounds, self).__init__(config, initial_head=initial_head, **model)
         self.kind = self.secure_kind
         self._init_secure(identity, registry)
-        self.vector_length = checked_vector_length(weighted_length(self.trained_shapes()))
+        self.vector_length = checked_vector_length(weighted_length(self.trained_shapes()), config)
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)
         self._sum: tuple[dict[str, np.ndarray], int, int] | None = None     # (mean, updates, Σ n) of the round
         self._round_dp: dict | None = None

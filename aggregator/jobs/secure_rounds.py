@@ -36,7 +36,7 @@ from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Messag
                               ShareAccusation,
                               SecAggError, ServerSecAgg, ServerState, Timeout)
 from protocols.secagg.errors import LateMessage
-from protocols.secagg.config import MAX_VECTOR_LENGTH
+from protocols.secagg.config import MAX_GROUP_SIZE, MAX_MASK_WORDS, MAX_VECTOR_LENGTH, largest_mask_expansions
 from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
 from protocols.topics import AGGREGATOR_ID
 
@@ -44,18 +44,29 @@ from aggregator.compute.mask_expansion import pick_mask_applier
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.jobs.base import Job
 from aggregator.jobs.phase_clock import PhaseClock
+from aggregator.jobs.secure_fields import SecureAggregationFields
 from aggregator.jobs.upload_window import MaskedUploadWindow, window_size
 
 log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
 
 
-def checked_vector_length(length: int) -> int:
+def checked_vector_length(length: int, config: SecureAggregationFields) -> int:
     """``length``, the job's secure vector, refused when the job is built (one clear config error)
-    rather than at its first round's opening when SecAgg cannot sum that many entries."""
+    rather than at its first round's opening when SecAgg cannot sum that many entries, or when its
+    largest round (``config``'s clients_per_round, and the stragglers that join the last group, on
+    its graph) would ask a member to expand more mask words than a device does (MAX_MASK_WORDS:
+    every device would refuse it)."""
     if length > MAX_VECTOR_LENGTH:
         raise ValueError(f"the secure vector would hold {length:,} entries, more than SecAgg's {MAX_VECTOR_LENGTH:,}: "
                          "train a smaller model (num_classes x feature_dim) or run without secure aggregation")
+    members = min(config.clients_per_round + MIN_GROUP - 1, MAX_GROUP_SIZE)
+    masks = largest_mask_expansions(config.graph, members, config.expected_dropout)
+    if masks * length > MAX_MASK_WORDS:
+        raise ValueError(f"a round of up to {members:,} members on the {config.graph!r} graph would ask each device to "
+                         f"expand {masks:,} masks of the {length:,}-entry secure vector ({masks * length:,} words), "
+                         f"more than a device expands ({MAX_MASK_WORDS:,}, protocols/secagg/config.py MAX_MASK_WORDS): "
+                         "draw fewer clients_per_round, use the graph \"auto\" or \"regular\", or train a smaller model")
     return length
 
 

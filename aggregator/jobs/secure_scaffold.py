@@ -56,7 +56,7 @@ class SecureScaffoldJob(SecureFedAvgJob, ScaffoldJob):
     def __init__(self, config: SecureScaffoldConfig, initial_head: dict[str, np.ndarray] | None = None,
                  identity=None, registry=None):
         super().__init__(config, initial_head=initial_head, identity=identity, registry=registry)
-        self.vector_length = checked_vector_length(controlled_length(self.trained_shapes()))
+        self.vector_length = checked_vector_length(controlled_length(self.trained_shapes()), config)
         self.bound = max(self.bound, float(config.control_clip_norm))
         self._control_sum: tuple[dict[str, np.ndarray], int] | None = None    # (Σ Δc, |S|) of the round
 

@@ -46,6 +46,17 @@ MIN_GROUP_SIZE = 3
 # over the round (a key directory of n identity keys, t consistency signatures to verify), seconds
 # of its agent thread at 10,000 members. The Java client holds the same limit (RoundConfig.java).
 MAX_GROUP_SIZE = 10_000
+# The most mask words a round may ask one member to expand (mask_expansions × vector_length): each
+# pairwise mask and the self mask is vector_length words of AES-CTR keystream (crypto.expand_mask),
+# worked out on the device outside any task's deadline. Without a cap a signed config could name
+# 9,999 neighbours and a Fed3R-Sync vector (~8.3·10^9 words: hours of a phone and gigabytes of
+# keystream). The largest round an aggregator builds by default (graph "auto", 10 % dropouts) asks
+# 128 masks (the complete graph at 128 members; SecAgg+ above asks at most 41, at 10,000) of
+# Fed3R-Sync's 833,932 words (d = 1280 + the intercept, 10 classes): 1.07·10^8 words, a fifth of
+# this. A device refuses a config past it when it reads RoundStart, before any key; the aggregator
+# refuses to build one, and a secure job whose largest round would ask more when it is built. The
+# Java client holds the same limit and words (RoundConfig.java MAX_MASK_WORDS).
+MAX_MASK_WORDS = 1 << 29
 
 
 def default_threshold(n: int) -> int:
@@ -89,6 +100,30 @@ def _check_group_size(n: int) -> None:
     """At most MAX_GROUP_SIZE members: said before the list is read (Java's RoundConfig says the same)."""
     if n > MAX_GROUP_SIZE:
         raise ConfigError(f"a group has at most {MAX_GROUP_SIZE} members, got {n}")
+
+
+def mask_expansions(n: int, degree: int) -> int:
+    """The masks a member of an n-member round of graph degree k expands: one pairwise mask per
+    neighbour (k of them, n − 1 at most: a degree past the group is the complete graph) and its self mask."""
+    return min(degree, n - 1) + 1
+
+
+def check_mask_words(n: int, degree: int, vector_length: int) -> None:
+    """At most MAX_MASK_WORDS words of masks for a member to expand (Java's RoundConfig says the same)."""
+    masks = mask_expansions(n, degree)
+    if masks * vector_length > MAX_MASK_WORDS:
+        raise ConfigError(f"the round asks each member to expand {masks} masks of {vector_length} words "
+                          f"({masks * vector_length} words), more than a device expands ({MAX_MASK_WORDS})")
+
+
+def largest_mask_expansions(graph: str, max_members: int, dropout_rate: float = 0.1) -> int:
+    """The most masks a member of a group :meth:`RoundConfig.create` builds on ``graph`` ("auto" too)
+    with at most ``max_members`` members expands. On either graph the count grows with n, so it is
+    the largest group's, and with "auto" also the largest complete group's (AUTO_COMPLETE_MAX_MEMBERS)."""
+    complete = {GRAPH_AUTO: min(max_members, AUTO_COMPLETE_MAX_MEMBERS), GRAPH_COMPLETE: max_members}.get(graph, 0)
+    if resolve_graph(graph, max_members) != GRAPH_REGULAR:
+        return complete
+    return max(complete, mask_expansions(max_members, regular_degree(max_members, dropout_rate)))
 
 
 def _check_member_list(members: tuple) -> None:
@@ -205,6 +240,7 @@ class RoundConfig:
                                   f"{holders} share holders of a neighbourhood")
         else:
             raise ConfigError(f"graph must be {GRAPH_COMPLETE!r} or {GRAPH_REGULAR!r}, got {self.graph!r}")
+        check_mask_words(n, self.degree, self.vector_length)
 
     @property
     def codec(self) -> FixedPointCodec:

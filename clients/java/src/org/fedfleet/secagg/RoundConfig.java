@@ -25,6 +25,11 @@ public final class RoundConfig {
     /** The most members a group may have (protocols/secagg/config.py MAX_GROUP_SIZE: no aggregator
      *  sends more); a larger group is refused before its list is read, with Python's words. */
     static final int MAX_GROUP_SIZE = 10_000;
+    /** The most mask words a round may ask a member to expand, (its pairwise masks, one per graph
+     *  neighbour, + its self mask) x vector_length, each word AES-CTR keystream worked out outside
+     *  any task's deadline (protocols/secagg/config.py MAX_MASK_WORDS: the same value, the same rule
+     *  and words). A config past it is refused when RoundStart is read, before any key or mask. */
+    static final long MAX_MASK_WORDS = 1L << 29;
     private static final Set<String> KEYS = new HashSet<>(Arrays.asList("job_id", "round_id", "group_id",
             "aggregator_id", "members", "vector_length", "threshold", "scale_bits", "bound", "graph", "degree",
             "share_threshold", "graph_seed", "consistency_check"));
@@ -106,6 +111,11 @@ public final class RoundConfig {
         } else {
             throw new SecAggException("graph must be 'complete' or 'regular', got " + graph);
         }
+        // a degree past the group is the complete graph: n - 1 pairwise masks at most, + the self mask
+        long masks = Math.min(degree, n - 1) + 1L, words = masks * vectorLength;
+        if (words > MAX_MASK_WORDS)
+            throw new SecAggException("the round asks each member to expand " + masks + " masks of " + vectorLength
+                    + " words (" + words + " words), more than a device expands (" + MAX_MASK_WORDS + ")");
     }
 
     /** The key's value: only 32 is ever written (absent means 64), so one config has one JSON form,
