@@ -71,6 +71,28 @@ def test_the_default_degree_meets_the_correctness_and_security_targets(n, dropou
     assert k == floor or fails_log2(k - 2) > CORRECTNESS_LOG2
 
 
+
+@pytest.mark.parametrize("n,dropout", [(2000, 0.45), (10_000, 0.45), (10_000, 0.49), (2000, 0.4)])
+def test_high_dropouts_give_a_degree_past_a_thousand_holders_not_an_overflow(n, dropout):
+    """Past 1,029 holders C(h, s) overflows a float: regular_degree raised OverflowError ("int too
+    large to convert to float") for these rates, which jobs allow (expected_dropout up to 0.49), so
+    such a job could not be built. Its correctness bound against scipy's binomial tail, as above:
+    the degree meets it, and the next smaller one does not (or the degree is the complete graph's)."""
+    from protocols.secagg.graph import EXACT_HOLDERS, binomial_below, degree_for
+
+    k = degree_for(n, dropout)
+    short = lambda degree: binom.cdf((degree + 1) // 2, degree + 1, 1 - dropout)    # noqa: E731
+    assert k == n - 1 or math.log2(n) + math.log2(max(short(k), 1e-300)) <= CORRECTNESS_LOG2
+    assert k - 2 < 2 or math.log2(n) + math.log2(short(k - 2)) > CORRECTNESS_LOG2
+    assert regular_degree(n, dropout) >= min(k, n - 1) - 1 and regular_degree(n, dropout) % 2 == 0
+    for holders in (EXACT_HOLDERS + 1, 1500, 4037):        # the logarithmic terms against scipy's tail
+        t = holders // 2 + 1
+        assert binomial_below(holders, t, 1 - dropout) == pytest.approx(binom.cdf(t - 1, holders, 1 - dropout),
+                                                                         rel=1e-9)
+    holders = EXACT_HOLDERS                                 # up to it, the terms as they always were
+    assert binomial_below(holders, holders // 2 + 1, 0.6) == sum(
+        math.comb(holders, s) * 0.6 ** s * 0.4 ** (holders - s) for s in range(holders // 2 + 1))
+
 def test_the_ring_graph_splits_only_when_two_runs_of_half_the_degree_drop():
     """The premise of the security bound, checked by brute force on small rings: the survivors of
     a SecAgg+ graph are disconnected exactly when two disjoint runs of >= k/2 consecutive ring

@@ -19,6 +19,8 @@ import hashlib
 import math
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from .crypto import expand_mask
 
 _GRAPH_DOMAIN = b"fedfleet/secagg/graph/v1"
@@ -52,10 +54,29 @@ def degree_for(n: int, dropout_rate: float = 0.1, corruption_rate: float = 0.0,
     for k in range(2, n - 1, 2):
         holders = k + 1
         t = share_threshold_for(holders, corruption_rate)
-        p_short = sum(math.comb(holders, s) * keep ** s * dropout_rate ** (holders - s) for s in range(t))
-        if n * p_short <= 2.0 ** failure_log2:
+        if n * binomial_below(holders, t, keep) <= 2.0 ** failure_log2:
             return k
     return n - 1
+
+
+EXACT_HOLDERS = 1029    # the most holders whose every C(holders, s) is a float (C(1030, 515) > 2^1024)
+
+
+def binomial_below(holders: int, t: int, keep: float) -> float:
+    """P[Binomial(holders, keep) < t]: term by term (C(h, s) keep^s (1 − keep)^(h − s)) up to
+    EXACT_HOLDERS, as it always was; past it C(h, s) overflows a float (OverflowError: a job with
+    expected_dropout 0.45 and groups of 2,000 could not be built), so the terms are taken through
+    logarithms, log C(h, s) as a running sum of log((h − s + 1) / s), summed from the largest."""
+    drop = 1.0 - keep
+    if holders <= EXACT_HOLDERS:
+        return sum(math.comb(holders, s) * keep ** s * drop ** (holders - s) for s in range(t))
+    if drop == 0.0:                 # every holder stays: fewer than t only when t exceeds them all
+        return 1.0 if t > holders else 0.0
+    s = np.arange(t, dtype=np.float64)
+    log_comb = np.concatenate([[0.0], np.cumsum(np.log(holders - s[1:] + 1) - np.log(s[1:]))])
+    log_terms = log_comb + s * math.log(keep) + (holders - s) * math.log(drop)
+    top = float(log_terms.max())
+    return math.exp(top) * float(np.exp(log_terms - top).sum())
 
 
 def split_probability_log2(n: int, degree: int, removed_rate: float) -> float:
