@@ -140,6 +140,23 @@ def test_the_last_group_takes_the_stragglers_instead_of_leaving_too_few_for_a_gr
     assert job.finished(set(ids), set(ids)) is False
 
 
+
+def test_stragglers_that_would_pass_secaggs_largest_group_form_their_own():
+    """κ = 10,000 (SecAgg's largest group) over 10,002 eligible devices: the two left over joined
+    the group, 10,002 members, which RoundConfig refuses as the round opens (every try, so the job
+    never summed anyone). Now the group takes 9,999 and leaves 3 for a last group; both open."""
+    from protocols.secagg.config import MAX_GROUP_SIZE
+
+    ids = [f"d{i:05d}" for i in range(MAX_GROUP_SIZE + 2)]
+    key = DeviceIdentity.generate("any").public_key_bytes      # the draw reads membership, not keys
+    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="s", num_classes=C, feature_dim=D, max_samples=10,
+                                       clients_per_round=MAX_GROUP_SIZE),
+                       identity=DeviceIdentity.generate("aggregator"), registry=IdentityRegistry({d: key for d in ids}))
+    chosen = job.next_participants(set(ids))
+    assert len(chosen) == MAX_GROUP_SIZE - 1 and job.secure is not None      # its group opened
+    job.contributed.update({d: 0 for d in chosen})
+    assert sorted(job.next_participants(set(ids))) == sorted(set(ids) - set(chosen))
+
 def test_the_last_group_waits_for_stragglers_offline_within_their_grace():
     """Six online and one eligible device offline for now (it dropped out and comes back): taking
     the six would strand it alone, so no round opens until it is back, or no longer reachable."""

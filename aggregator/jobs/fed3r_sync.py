@@ -6,7 +6,8 @@ SecAgg (or SecAgg+) with the aggregator, which learns only the group sum: it add
 the Fed3R strategy exactly as it would add one device's statistics, so after ⌈K/κ⌉ groups the
 classifier is the centralized ridge solution over the surviving devices (up to the fixed-point
 resolution 2^-f). A group that would leave fewer than MIN_GROUP devices for a last group takes
-them in (over-selection), so no straggler is left without a group; a member known to be offline
+them in (over-selection; past SecAgg's largest group it leaves MIN_GROUP for the last instead), so
+no straggler is left without a group; a member known to be offline
 is not waited for (``SecureGroupRounds.member_offline``). Devices that drop out mid-round are
 recovered from Shamir shares when at least t survive; otherwise the round fails and *nothing* is applied (the group can be retried).
 
@@ -34,6 +35,7 @@ from protocols.payloads.secagg import SYNC_KIND, scale_sync_blocks, sync_vector_
 from protocols.payloads.secure_tasks import SecureFed3RParams, SyncBlockScales
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
+from protocols.secagg.config import MAX_GROUP_SIZE
 from protocols.secagg.distributed_dp import noisy_bound
 from protocols.secagg.fixedpoint import RING_BITS, fed3r_bound, max_scale_bits
 
@@ -122,7 +124,11 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
             return []        # too few left to hide anyone's statistics in a sum
         size = self.config.clients_per_round
         centering = self.centering
-        if len(pool) - size < MIN_GROUP and not centering:
+        if len(pool) - size < MIN_GROUP and not centering and len(pool) > MAX_GROUP_SIZE:
+            # the stragglers joining would pass SecAgg's largest group (clients_per_round near it: a
+            # group of 10,002 was refused as it opened, every try): MIN_GROUP left for a last group
+            size = len(pool) - MIN_GROUP
+        elif len(pool) - size < MIN_GROUP and not centering:
             size = len(pool)     # the stragglers join this group: left over alone they could never be summed
             away = set(self.eligible(self.reachable)) - set(pool)   # offline for now, within the grace period
             if 0 < len(away) < MIN_GROUP:
