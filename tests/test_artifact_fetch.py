@@ -3,6 +3,7 @@ it (the same outputs, the same features as eager); a file tampered with on the a
 refused, and so are an unknown digest, a malformed request and a device not enrolled (issue 4,
 distribution); a flood of asks for a file is answered a few times, not once per ask."""
 
+import hashlib
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from edge_client.artifacts import ArtifactFetchError, fetch_bundle
 from edge_client.runtime import load_inference
 from protocols.envelope import Envelope, encode
 from protocols.mqtt_link import BrokerConfig
+from protocols.payloads.artifacts import ArtifactDigestMismatch, artifact_message, parse_artifact
 from protocols.topics import Topics
 
 from artifact_serving import serve
@@ -53,13 +55,17 @@ def test_fetched_bundle_runs_like_the_original_and_tampering_is_refused(broker, 
             time.sleep(0.1)
         raw.loop_stop()
         assert rej.get("artifact", 0) >= 2 and rej.get("not enrolled") == 1
-        # the aggregator's copy of the model is altered after indexing: the device refuses it
+        # the aggregator's copy of the model is altered after indexing: the aggregator sends no bytes
+        # but those it indexed (it says it holds no such file), and a device refuses any other bytes
         onnx = bundle / "inference.onnx"
         pristine = onnx.read_bytes()
         onnx.write_bytes(pristine[:-1] + b"\x00")
+        onnx_sha = hashlib.sha256(pristine).hexdigest()
         try:
-            with pytest.raises(ArtifactFetchError, match="refused"):
+            with pytest.raises(ArtifactFetchError, match=f"holds no artifact {onnx_sha[:16]}"):
                 fetch_bundle("cam1", cfg, manifest_sha, tmp_path / "tampered", timeout_s=30)
+            with pytest.raises(ArtifactDigestMismatch, match="refused"):
+                parse_artifact(artifact_message("aggregator", onnx_sha, onnx.name, onnx.read_bytes()), onnx_sha)
         finally:
             onnx.write_bytes(pristine)
         assert not (tmp_path / "tampered" / "inference.onnx").exists()
@@ -79,7 +85,7 @@ def test_a_flood_of_asks_for_a_file_is_answered_a_few_times(broker, tmp_path, bu
     shelf = ArtifactShelf()
     shelf.answers = RepeatLimiter(3600.0)
     shelf.add_bundle(bundle)
-    onnx_sha = next(sha for sha in shelf._files if shelf._files[sha].name == "inference.onnx")
+    onnx_sha = next(sha for sha in shelf._files if shelf._files[sha][0].name == "inference.onnx")
     svc, t = serve(broker, tmp_path, shelf)
     got = []
     raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="flood")
@@ -95,7 +101,7 @@ def test_a_flood_of_asks_for_a_file_is_answered_a_few_times(broker, tmp_path, bu
             time.sleep(1.0)
         for _ in range(39):
             raw.publish(Topics().outbox("cam1"), ask, qos=1)
-        size = shelf._files[onnx_sha].stat().st_size
+        size = shelf._files[onnx_sha][1]
         deadline, seen = time.time() + 120, (-1, -1)
         while time.time() < deadline and (sum(got) < 2 * size or seen != (shelf.answers.dropped, sum(got))):
             # until both answers are in and nothing moved for 3 s

@@ -3,18 +3,24 @@
 Bundles are directories written by ``fedfleet export`` (a ``manifest.json`` plus the files it
 lists). The shelf indexes the manifest and every file by their sha256 when a bundle is added;
 devices then fetch them over the broker (``protocols.payloads.artifacts``). Files are read at
-serve time, not cached, so a bundle can be large; the device verifies every digest itself.
+serve time, not cached, so a bundle can be large. What is read is sent only if it is the file
+indexed: a regular file of the indexed size hashing to the indexed sha256 (a review's finding: a
+file swapped after indexing for a link outside the folder was sent, bytes and all, to any device
+asking; one swapped for a FIFO held the service loop for ever). Anything else is answered as a
+file the shelf does not hold.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
-from protocols.bundle_manifest import MANIFEST_FILENAME, read_manifest
+from protocols.bundle_manifest import MANIFEST_FILENAME, parse_manifest, read_manifest_bytes
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.files import file_sha256
 from protocols.payloads.artifacts import artifact_message, missing_message, parse_get
+from protocols.regular_file import read_regular_file
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.registry import config_fields
@@ -28,7 +34,7 @@ log = logging.getLogger("fedfleet.aggregator")
 
 class ArtifactShelf:
     def __init__(self, bundles: list[Path] = ()):
-        self._files: dict[str, Path] = {}
+        self._files: dict[str, tuple[Path, int]] = {}      # sha256 -> (path, size in bytes)
         self.answers = RepeatLimiter(ARTIFACT_RESEND_S)         # a file is megabytes, the ask a few hundred bytes
         self.bundles: list[str] = []            # manifest sha256s, in the order added
         for b in bundles:
@@ -37,8 +43,9 @@ class ArtifactShelf:
     def add_bundle(self, bundle_dir: Path) -> str:
         """Index a bundle; returns its manifest's sha256 (what a job announces to devices)."""
         bundle_dir = Path(bundle_dir)
-        manifest = bundle_dir / MANIFEST_FILENAME
-        for spec in read_manifest(manifest).artifacts:       # the format devices read, validated
+        # the bytes validated are the bytes indexed (read once)
+        manifest, raw = read_manifest_bytes(bundle_dir / MANIFEST_FILENAME)
+        for spec in parse_manifest(raw, manifest).artifacts:       # the format devices read, validated
             path = bundle_dir / spec.file
             if path.resolve().parent != bundle_dir.resolve():
                 raise ValueError(f"manifest lists a file outside its bundle: {spec.file!r}")
@@ -49,16 +56,29 @@ class ArtifactShelf:
                 raise ValueError(f"{path} is {size} bytes, its manifest says {spec.size_bytes}")
             if file_sha256(path) != spec.sha256:
                 raise ValueError(f"{path}: sha256 differs from the manifest's (tampered or stale bundle)")
-            self._files[spec.sha256] = path
-        digest = file_sha256(manifest)
-        self._files[digest] = manifest
+            self._files[spec.sha256] = (path, size)
+        digest = hashlib.sha256(raw).hexdigest()
+        self._files[digest] = (manifest, len(raw))
         if digest not in self.bundles:
             self.bundles.append(digest)
         return digest
 
     def get(self, sha256: str) -> tuple[str, bytes] | None:
-        path = self._files.get(sha256)
-        return None if path is None else (path.name, path.read_bytes())
+        """(name, bytes) of the file indexed under ``sha256``, read now; None when the shelf holds
+        none, or the path no longer holds it (gone, not a regular file, other bytes)."""
+        held = self._files.get(sha256)
+        if held is None:
+            return None
+        path, size = held
+        try:        # never blocks on a FIFO, never reads past the indexed size
+            data = read_regular_file(path, "artifact", size)
+        except ValueError as exc:
+            log.error("artifact %s… not served: %s", sha256[:16], exc)
+            return None
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
+            log.error("artifact %s… not served: %s no longer holds the bytes indexed", sha256[:16], path)
+            return None
+        return path.name, data
 
     def __contains__(self, sha256: str) -> bool:
         return sha256 in self._files
@@ -78,7 +98,10 @@ def artifact_reply(shelf: ArtifactShelf | None, device: str, ask: Envelope) -> t
     if not shelf.answers.allow(device, sha256):
         log.info("artifact %s… asked again by %s: the last answers stand", sha256[:16], device)
         return None, None
-    return artifact_message(AGGREGATOR_ID, sha256, *shelf.get(sha256)), None
+    served = shelf.get(sha256)
+    if served is None:          # changed on disk since indexed: the device stops asking, as for no file
+        return missing_message(AGGREGATOR_ID, sha256, ask.id), f"artifact {sha256[:16]} changed on disk since indexed"
+    return artifact_message(AGGREGATOR_ID, sha256, *served), None
 
 
 def with_served_bundle(kind: str, config: dict, shelf: ArtifactShelf | None) -> dict:
