@@ -20,6 +20,8 @@ def files(tmp_path_factory):
     (d / "unknown.json").write_text(json.dumps({"devices": 3, "bogus_field": 1}))
     (d / "job.json").write_text(json.dumps({"num_classes": 10}))
     (d / "huge.json").write_text(json.dumps({"num_classes": 10 ** 9}))
+    (d / "float-huge.json").write_text('{"lam": 1' + "0" * 400 + "}")
+    (d / "sim-float-huge.json").write_text('{"alpha": 1' + "0" * 400 + "}")
     (d / "wide.json").write_text(json.dumps({"num_classes": 20_000, "feature_dim": 1280}))
     (d / "list.json").write_text("[1, 2]")
     (d / "state.db.keys").write_text("a file where the store's key folder goes")
@@ -56,6 +58,11 @@ CASES = [
     ("serve: missing config", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/nope.json"], "does not exist"),
     ("serve: bad JSON", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/bad.json"], "not valid JSON"),
     ("serve: over a limit", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/huge.json"], "num_classes"),
+    # a review's finding: an integer no float holds, given to a float field, was an OverflowError traceback
+    ("serve: a float of 401 digits", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/float-huge.json"],
+     "'lam'"),
+    ("simulate: a float of 401 digits", ["simulate", "--config", "{d}/sim-float-huge.json", "--out", "{d}/never"],
+     "'alpha'"),
     # a review's finding: a task larger than any device takes was served, and declined by them all
     ("serve: a task no device takes", ["aggregator", "serve", "--out", "{d}/o", "--kind", "scaffold", "--config",
                                        "{d}/wide.json", "--broker", "mqtt://127.0.0.1:1"], "a device takes in one message"),

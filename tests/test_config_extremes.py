@@ -97,3 +97,30 @@ def test_a_device_refuses_a_segmentation_spec_past_the_configs_bounds(rates):
     with pytest.raises(ValueError, match="aspp_rates must be 1 to 8 integers"):
         SegmentationSpec.from_dict({"num_classes": 2, "image_size": 16, "aspp_rates": rates})
     assert SegmentationSpec.from_dict({"num_classes": 2, "image_size": 16, "aspp_rates": [1, 64]}).aspp_rates == (1, 64)
+
+
+HUGE = 10 ** 400          # a JSON integer literal of 401 digits: a Python int, no float holds it
+
+
+def float_fields(config_cls) -> list[str]:
+    import typing
+
+    from aggregator.jobs.config_limits import matches
+
+    hints = typing.get_type_hints(config_cls)
+    return [f.name for f in dataclasses.fields(config_cls) if matches(0.5, hints[f.name])]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_an_integer_too_large_for_a_float_is_refused_by_the_field_it_was_given_to(kind):
+    """A review's finding: a float field given a 401-digit integer raised OverflowError out of the
+    JSON type check (math.isfinite converts it), a traceback from ``aggregator serve --config`` and
+    ``simulate --config`` instead of the one error naming the field."""
+    from aggregator.jobs.registry import validate_job_config
+
+    names = float_fields(KINDS[kind].config_cls)
+    assert names
+    for name in names:
+        for value in (HUGE, -HUGE):
+            with pytest.raises(ValueError, match=repr(name)):
+                validate_job_config(kind, {name: value})

@@ -213,8 +213,8 @@ def matches(value, hint) -> bool:
     hint = typing.get_origin(hint) or hint
     if hint is type(None):
         return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is float:                   # an int is finite: math.isfinite(10**400) raised OverflowError
+        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and math.isfinite(value)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is tuple:                   # a JSON array, or the tuple a Python caller built
