@@ -124,3 +124,24 @@ def test_an_integer_too_large_for_a_float_is_refused_by_the_field_it_was_given_t
         for value in (HUGE, -HUGE):
             with pytest.raises(ValueError, match=repr(name)):
                 validate_job_config(kind, {name: value})
+
+
+def test_a_ladd_model_takes_exactly_the_output_strides_a_device_builds():
+    """A review's finding: ``model.output_stride`` was declared Range(8, 32), so a ladd job with 12 or
+    32 was created (201) and started, and every device refused its tasks (its network is cut at 8
+    or 16 only). The config takes what the device's SegmentationSpec takes, no more, no less."""
+    from edge_client.models.segmentation import SegmentationSpec
+
+    for stride in range(0, 65):
+        spec = {"num_classes": 2, "image_size": 64, "output_stride": stride}
+        try:
+            SegmentationSpec.from_dict(spec)
+            device_builds = True
+        except ValueError:
+            device_builds = False
+        try:
+            full_config("ladd", {"model": spec})
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert accepted == device_builds, (stride, accepted, device_builds)

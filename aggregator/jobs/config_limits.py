@@ -105,9 +105,10 @@ MAX_SAMPLES = Range(1, 10_000_000)                   # Fed3R (DP's cap), secure 
 TAIL_STAGES = Range(0, 64)                           # FT(φ)/FT(M), personalization of their model
 PERSONAL_EPOCHS = Range(0, 1000)                     # pp (FedAlt), Ditto
 TOTAL_DEVICES = Range(0, 100_000_000)                # Scaffold, FedGloSS
-# LADD's model: edge_client's SegmentationSpec as a dict (the aggregator does not import edge_client)
+# LADD's model: edge_client's SegmentationSpec as a dict (the aggregator does not import edge_client),
+# whose network is cut at stride 8 or 16 only (32 was accepted here and refused by every device)
 SEGMENTATION_SPEC = Fields({"num_classes": (int, Range(1, 254)), "image_size": (int, Range(16, 1024)),
-                            "output_stride": (int, Range(8, 32)), "tail_blocks": (int, Range(0, 4)),
+                            "output_stride": (int, OneOf((8, 16))), "tail_blocks": (int, Range(0, 4)),
                             "head_channels": (int, Range(4, 512)), "aspp_rates": (list, Items(Range(1, 64), 8, int))},
                            required=("num_classes", "image_size"))
 
