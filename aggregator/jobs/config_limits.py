@@ -61,8 +61,8 @@ class Fields:
 class Items:
     """A list field (a JSON array; a tuple where Python builds the config): ``min_items`` to
     ``max_items`` items, each of ``item_type`` (float: any finite number; int: an integer, never
-    1.5 silently cut to 1) and within ``item``."""
-    item: Range
+    1.5 silently cut to 1; str: a name, with ``item`` a OneOf) and within ``item``."""
+    item: Range | OneOf
     max_items: int
     item_type: type = float
     min_items: int = 1
@@ -186,10 +186,11 @@ def check_limit(what: str, value, limit: Limit | None) -> None:
     if isinstance(limit, Items):
         if not isinstance(value, (list, tuple)) or not limit.min_items <= len(value) <= limit.max_items:
             count = limit.max_items if limit.min_items == limit.max_items else f"{limit.min_items} to {limit.max_items}"
-            raise ValueError(f"{what} must be a list of {count} numbers")
+            raise ValueError(f"{what} must be a list of {count} {'strings' if limit.item_type is str else 'numbers'}")
         for i, item in enumerate(value):
             if not matches(item, limit.item_type):
-                raise ValueError(f"{what}[{i}] must be {'an integer' if limit.item_type is int else 'a number'}")
+                kind = {int: "an integer", float: "a number", str: "a string"}.get(limit.item_type, limit.item_type)
+                raise ValueError(f"{what}[{i}] must be {kind}")
             check_limit(f"{what}[{i}]", item, limit.item)
     if isinstance(limit, Fields):
         _check_fields(what, value, limit)
