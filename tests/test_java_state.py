@@ -182,3 +182,25 @@ def test_both_stores_drop_state_files_whose_header_has_wrong_types_or_whose_zip_
     store = DeviceStateStore(tmp_path / "python", 100000, clock=lambda: 1001.0)
     assert [store.load(job, None) for job in jobs] == [None] * len(jobs) and store.jobs() == ["ok"]
     assert len(list((tmp_path / "java").iterdir())) == len(list((tmp_path / "python").iterdir())) == 1
+
+
+def test_both_stores_drop_a_fifo_under_a_state_files_name_and_keep_a_folder_there(tmp_path):
+    """A FIFO named as a job's state file is not read (opening it waited for a writer for ever: the
+    Java store's start, which reads every state file, hung) but dropped as a foreign file, as the
+    Python store drops it (edge_client/state.py read_state_arrays, open_regular); a folder under
+    such a name is left alone by both (not the store's to remove)."""
+    import os
+
+    stores = {}
+    for side in ("python", "java"):
+        store = stores[side] = DeviceStateStore(tmp_path / side, 100000, clock=lambda: 1000.0)
+        store.save("ok", RUN_A, 3, {"x": np.float32([1.5, -2.0]), "y": np.float32([[2.5]])}, 1000.0)
+        os.mkfifo(store._path("fifo"))
+        store._path("folder").mkdir()
+    got = java_answers(tmp_path / "java", "clock 1001\nopen 100000\nload fifo - - -\nload folder - - -\n", tmp_path)
+    assert got == ["OK", "JOBS ok", "NONE", "NONE"]
+    reopened = DeviceStateStore(tmp_path / "python", 100000, clock=lambda: 1001.0)
+    assert [reopened.load("fifo", None), reopened.load("folder", None)] == [None, None]
+    for side in ("python", "java"):
+        left = stores[side]
+        assert not left._path("fifo").exists() and left._path("folder").is_dir(), side

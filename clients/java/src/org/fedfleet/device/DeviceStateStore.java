@@ -119,7 +119,8 @@ public final class DeviceStateStore {
                 throw new IOException("state header: expires_at must be a finite number");
             return new Entry((String) h.get("job_id"), (String) h.get("run"), round.longValue(), arrays, expiresAt);
         } catch (Exception e) {          // torn, foreign or tampered: never trusted, never fatal
-            file.delete();
+            // a folder under the name is not ours to remove (File.delete took an empty one; Python's unlink cannot)
+            if (!file.isDirectory()) file.delete();
             return null;
         }
     }
@@ -241,6 +242,9 @@ public final class DeviceStateStore {
     }
 
     private byte[] readAll(File file) throws IOException {
+        // only a regular file is opened: opening a FIFO waits for a writer for ever (the store's start
+        // reads every state file), as edge_client/state.py's open_regular refuses it
+        if (!file.isFile()) throw new IOException(file + " is not a regular file");
         if (file.length() > budgetBytes + (1 << 20)) throw new IOException(file + " is larger than the state budget");
         byte[] data = new byte[(int) file.length()];
         try (FileInputStream in = new FileInputStream(file)) {
