@@ -3,8 +3,8 @@ hosted group's secagg messages and refuses bad ones changing nothing; the coordi
 of a member gone before the group was placed, carries a copied key's refusal into its round log as
 one aggregator does, keeps culprits named for a round it had closed out of later rounds; a group
 its shard cannot build fails with the reason and the shard lives; the per-round bookkeeping stays
-bounded; ``fedfleet simulate --secure --shards`` takes the kinds shards host and says why not for
-the others."""
+bounded; a revoked member's messages never reach its group's machine; ``fedfleet simulate --secure
+--shards`` takes the kinds shards host and says why not for the others."""
 
 import json
 
@@ -294,3 +294,54 @@ def test_a_jobs_per_round_secure_bookkeeping_nobody_reads_stays_bounded():
         table[round_]["share_keys"] = 1.0
     assert list(table) == list(range(2 * KEPT_ROUNDS, 3 * KEPT_ROUNDS))
     assert table[3 * KEPT_ROUNDS - 1] == {"advertise_keys": 0.5, "share_keys": 1.0}
+
+
+def test_a_revoked_members_secagg_message_is_refused_by_its_host_as_by_one_aggregator(tmp_path):
+    """A review's finding: one aggregator refuses a revoked device's every message before the
+    group's server machine sees it ("revoked device"); a shard hosting the group fed the revoked
+    member's (unchunked) secagg messages to the machine, which took it back in ("it answered: it
+    is back"), so its masked input would be in the sharded sum and not in one aggregator's. The
+    same group after dev08's revocation: the host hands dev08's key advertisement to the
+    coordinator's path (which refuses it) and the next phase goes to the members one aggregator asks."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.shard import Forward, Publish, ShardIngest
+    from aggregator.storage.store import Store
+    from protocols.envelope import encode
+    from protocols.payloads.secagg import from_envelope, to_envelope
+    from protocols.secagg import ClientSecAgg
+    from protocols.topics import Topics
+
+    members, revoked = ["dev03", "dev04", "dev05", "dev06", "dev08"], "dev08"
+    coordinator, pool, config, keys = _sharded_coordinator(tmp_path, members, clients_per_round=len(members))
+    coordinator.on_protocol_tick(1.0)
+    _, _, group, context = pool.told[0]
+    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
+    host.set_job(config["job_id"], "fed3r-sync", config)
+    host.admit(DEVICES)
+    host.groups.open(group, context)
+    one = build_job("fed3r-sync", config)
+    assert sorted(one.next_participants(set(members))) == members
+
+    def adverts(start):
+        out = {}
+        for device, env in start:
+            first = from_envelope(env)
+            client = ClientSecAgg(keys.devices[device], "aggregator", keys.aggregator.public_key_bytes,
+                                  job_id=first.job_id, round_id=first.round_id, group_id=first.group_id)
+            [out[device]] = client.handle(first)
+        return out
+
+    one_adverts, host_adverts = adverts(one.on_protocol_tick(1.0)), adverts(host.groups.tick(1.0))
+    host.admission_changed(revoked, False)              # the operator revokes dev08 (the pool's commands)
+    host.groups.offline(1, revoked, 1.5)
+    one.member_offline(revoked, 1.5)                    # one aggregator's runner: device_lost
+    refused = host.feed(Topics().outbox(revoked), encode(to_envelope(host_adverts[revoked])), 2.0)
+    assert isinstance(refused, Forward) and refused.not_admitted   # the coordinator refuses it: revoked
+    one_next, host_next = [], []
+    for device in sorted(set(members) - {revoked}):     # one aggregator's loop never passes dev08's on
+        one_next += one.on_protocol(device, to_envelope(one_adverts[device]), 2.0)
+        got = host.feed(Topics().outbox(device), encode(to_envelope(host_adverts[device])), 2.0)
+        assert isinstance(got, Publish)
+        host_next += got.sends
+    assert sorted(d for d, _ in one_next) == sorted(set(members) - {revoked})
+    assert sorted(d for d, _ in host_next) == sorted(d for d, _ in one_next)

@@ -181,6 +181,11 @@ class ShardIngest:
             return None
         env, raw = got
         nbytes = self._bytes.pop(device, len(raw))
+        if not self.may_chunk(device):
+            # revoked or not enrolled: one aggregator refuses its every outbox message before any
+            # check, so here none reaches a hosted group's machine (which took a revoked member back
+            # in) or this store; its own shard hands it back to be refused with the reason
+            return Forward(topic, raw, not_admitted=True) if self.owns(device) else None
         if self.groups is not None and env.type == SECAGG_TYPE and env.sender == device:
             return Publish(self.groups.feed(device, env, now))      # never the coordinator's: it holds no group
         if not self.owns(device):
