@@ -35,8 +35,8 @@ from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envel
 from protocols.secagg import (AggregateReady, MaskedInput, MemberOffline, Message, Phase, RoundConfig, RoundFailed,
                               ShareAccusation,
                               SecAggError, ServerSecAgg, ServerState, Timeout)
-from protocols.secagg.errors import LateMessage
-from protocols.secagg.config import MAX_GROUP_SIZE, MAX_MASK_WORDS, MAX_VECTOR_LENGTH, largest_mask_expansions
+from protocols.secagg.errors import ConfigError, LateMessage
+from protocols.secagg.config import MAX_GROUP_SIZE, MAX_VECTOR_LENGTH, check_mask_words, largest_mask_expansions
 from protocols.secagg.distributed_dp import device_stddev, noise_scale_bits, noisy_bound
 from protocols.topics import AGGREGATOR_ID
 
@@ -61,12 +61,12 @@ def checked_vector_length(length: int, config: SecureAggregationFields) -> int:
         raise ValueError(f"the secure vector would hold {length:,} entries, more than SecAgg's {MAX_VECTOR_LENGTH:,}: "
                          "train a smaller model (num_classes x feature_dim) or run without secure aggregation")
     members = min(config.clients_per_round + MIN_GROUP - 1, MAX_GROUP_SIZE)
-    masks = largest_mask_expansions(config.graph, members, config.expected_dropout)
-    if masks * length > MAX_MASK_WORDS:
-        raise ValueError(f"a round of up to {members:,} members on the {config.graph!r} graph would ask each device to "
-                         f"expand {masks:,} masks of the {length:,}-entry secure vector ({masks * length:,} words), "
-                         f"more than a device expands ({MAX_MASK_WORDS:,}, protocols/secagg/config.py MAX_MASK_WORDS): "
-                         "draw fewer clients_per_round, use the graph \"auto\" or \"regular\", or train a smaller model")
+    try:
+        check_mask_words(largest_mask_expansions(config.graph, members, config.expected_dropout), length)
+    except ConfigError as exc:
+        raise ValueError(f"a round of up to {members:,} members on the {config.graph!r} graph: {exc} "
+                         "(protocols/secagg/config.py MAX_MASK_WORDS): draw fewer clients_per_round, use the graph "
+                         "\"auto\" or \"regular\", or train a smaller model") from None
     return length
 
 

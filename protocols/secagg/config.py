@@ -108,9 +108,9 @@ def mask_expansions(n: int, degree: int) -> int:
     return min(degree, n - 1) + 1
 
 
-def check_mask_words(n: int, degree: int, vector_length: int) -> None:
-    """At most MAX_MASK_WORDS words of masks for a member to expand (Java's RoundConfig says the same)."""
-    masks = mask_expansions(n, degree)
+def check_mask_words(masks: int, vector_length: int) -> None:
+    """At most MAX_MASK_WORDS words for a member expanding ``masks`` masks (:func:`mask_expansions`)
+    of ``vector_length`` words (Java's RoundConfig says the same)."""
     if masks * vector_length > MAX_MASK_WORDS:
         raise ConfigError(f"the round asks each member to expand {masks} masks of {vector_length} words "
                           f"({masks * vector_length} words), more than a device expands ({MAX_MASK_WORDS})")
@@ -240,7 +240,7 @@ class RoundConfig:
                                   f"{holders} share holders of a neighbourhood")
         else:
             raise ConfigError(f"graph must be {GRAPH_COMPLETE!r} or {GRAPH_REGULAR!r}, got {self.graph!r}")
-        check_mask_words(n, self.degree, self.vector_length)
+        check_mask_words(mask_expansions(n, self.degree), self.vector_length)
 
     @property
     def codec(self) -> FixedPointCodec:
