@@ -124,15 +124,16 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
             return []        # too few left to hide anyone's statistics in a sum
         size = self.config.clients_per_round
         centering = self.centering
-        if len(pool) - size < MIN_GROUP and not centering and len(pool) > MAX_GROUP_SIZE:
-            # the stragglers joining would pass SecAgg's largest group (clients_per_round near it: a
-            # group of 10,002 was refused as it opened, every try): MIN_GROUP left for a last group
-            size = len(pool) - MIN_GROUP
-        elif len(pool) - size < MIN_GROUP and not centering:
-            size = len(pool)     # the stragglers join this group: left over alone they could never be summed
-            away = set(self.eligible(self.reachable)) - set(pool)   # offline for now, within the grace period
-            if 0 < len(away) < MIN_GROUP:
-                return []        # this would be the last group: wait for them (or for their grace to run out)
+        if len(pool) - size < MIN_GROUP and not centering:
+            if len(pool) > MAX_GROUP_SIZE:
+                # the stragglers joining would pass SecAgg's largest group (clients_per_round near it:
+                # a group of 10,002 was refused as it opened, every try): MIN_GROUP left for a last group
+                size = len(pool) - MIN_GROUP
+            else:
+                size = len(pool)     # the stragglers join this group: left over alone they could never be summed
+                away = set(self.eligible(self.reachable)) - set(pool)   # offline for now, within the grace period
+                if 0 < len(away) < MIN_GROUP:
+                    return []        # this would be the last group: wait for them (or for their grace to run out)
         chosen = super().next_participants(set(pool), size)    # the center round: dp_center_devices of them
         if centering and chosen:
             c = self.config
