@@ -296,13 +296,16 @@ def test_a_jobs_per_round_secure_bookkeeping_nobody_reads_stays_bounded():
     assert table[3 * KEPT_ROUNDS - 1] == {"advertise_keys": 0.5, "share_keys": 1.0}
 
 
-def test_a_revoked_members_secagg_message_is_refused_by_its_host_as_by_one_aggregator(tmp_path):
+@pytest.mark.parametrize("fleet", ["enrolled", "open"])
+def test_a_revoked_members_secagg_message_is_refused_by_its_host_as_by_one_aggregator(tmp_path, fleet):
     """A review's finding: one aggregator refuses a revoked device's every message before the
     group's server machine sees it ("revoked device"); a shard hosting the group fed the revoked
     member's (unchunked) secagg messages to the machine, which took it back in ("it answered: it
     is back"), so its masked input would be in the sharded sum and not in one aggregator's. The
     same group after dev08's revocation: the host hands dev08's key advertisement to the
-    coordinator's path (which refuses it) and the next phase goes to the members one aggregator asks."""
+    coordinator's path (which refuses it) and the next phase goes to the members one aggregator asks.
+    An open fleet's too: one aggregator refuses a revoked device in either mode, and its shards were
+    not told of the revocation at all (a later review's finding)."""
     from aggregator.jobs.registry import build_job
     from aggregator.shards.shard import Forward, Publish, ShardIngest
     from aggregator.storage.store import Store
@@ -317,7 +320,7 @@ def test_a_revoked_members_secagg_message_is_refused_by_its_host_as_by_one_aggre
     _, _, group, context = pool.told[0]
     host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
     host.set_job(config["job_id"], "fed3r-sync", config)
-    host.admit(DEVICES)
+    host.admit(DEVICES if fleet == "enrolled" else None)
     host.groups.open(group, context)
     one = build_job("fed3r-sync", config)
     assert sorted(one.next_participants(set(members))) == members

@@ -109,7 +109,8 @@ class AggregatorService(OperatorActions):
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled (_tick: expired)
         self._expired_at = 0.0
-        # inbound items: ("mqtt", topic, payload), ("receipt", topic, raw), ("validated", ...), ("stored",), ("connected",)
+        # inbound items: ("mqtt", topic, payload), ("receipt", topic, raw), ("refused", topic, detail) (a shard's),
+        # ("validated", ...), ("stored",), ("connected",)
         self.loop = MessageLoop(self._dispatch, self._tick, settings.tick_s, "aggregator", self._refused, settings.inbound_bound)
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_pacing = reporting.Pacing()
@@ -119,7 +120,8 @@ class AggregatorService(OperatorActions):
                              on_connect=lambda: self.loop.post(("connected",)))
         if shards is not None:
             self._tell_shards_the_fleet(keys=settings.require_signatures)      # before they read anything
-            shards.start(lambda item: self.loop.post(("mqtt" if item[0] == "forward" else "receipt", *item[1:])),
+            # a shard's forward is a device's message; its receipts and refusals are its own items
+            shards.start(lambda item: self.loop.post(("mqtt", *item[1:]) if item[0] == "forward" else item),
                          settings.shard_start_timeout_s)
         # large results are validated in these processes (service/ingest.py), stored on the writer's thread
         self.ingest = IngestWorkers(settings.ingest_workers) if settings.ingest_workers else None
@@ -182,6 +184,8 @@ class AggregatorService(OperatorActions):
     def _dispatch(self, item: tuple) -> None:
         if item[0] in ("mqtt", "receipt"):
             (self._on_payload if item[0] == "mqtt" else self._on_receipt)(item[1], item[2])
+        elif item[0] == "refused":      # a device's message raised on its shard: refused as if it had here (_refused)
+            self._reject(self.topics.device_of(item[1]) or "?", "malformed", item[2])
         elif item[0] == "validated":
             self._on_validated(*item[1:])
         elif item[0] == "stored" and self.runner is not None:

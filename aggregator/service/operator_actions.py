@@ -58,13 +58,14 @@ class OperatorActions:
         return self.shards.admission() if self.shards is not None else contextlib.nullcontext()
 
     def _tell_shards_the_fleet(self, keys: bool = False) -> None:
-        """Who may contribute, to the shards (they hold only those devices' chunks), and with ``keys``
-        the enrolled keys every shard verifies messages with (before the shards start only)."""
+        """Who may contribute (never a revoked device, in either fleet mode), to the shards (they hold
+        only those devices' chunks), and with ``keys`` the enrolled keys every shard verifies messages
+        with (before the shards start only)."""
         if self.shards is None:
             return
         if keys:
             self.shards.require_signatures(self.fleet.enrolled_keys())
-        self.shards.admit(self.fleet.admitted())
+        self.shards.admit(self.fleet.admitted(), self.fleet.revoked)
 
     def forget_device(self, device_id: str, job_id: str | None = None) -> list[dict]:
         """Remove a device's data from every job that holds it (or ``job_id`` only), where that can be

@@ -135,9 +135,11 @@ def _feed(ingest: ShardIngest, conn, link: MqttLink, topics: Topics, held: HeldM
     topic, payload, refed = item[0], item[1], len(item) > 2
     try:
         out = ingest.feed(topic, payload, now)
-    except Exception:           # one device's message never stops the shard (and its whole bucket range)
-        log.exception("shard %d: a message on %s raised; dropped", ingest.index, topic)
-        out = None
+    except Exception as exc:    # one device's message never stops the shard (and its whole bucket range)
+        # refused, and said to the coordinator, which counts it as one aggregator counts a message
+        # that raised on its path (``AggregatorService._refused``): it was dropped unheard of
+        log.exception("shard %d: a message on %s raised; refused", ingest.index, topic)
+        return conn.send(("refused", topic, f"shard {ingest.index}: {exc!r}"[:300]))
     if isinstance(out, Receipt):
         conn.send(("receipt", out.topic, out.raw))
     elif isinstance(out, Forward):
@@ -206,7 +208,7 @@ def _command(ingest: ShardIngest, conn, cmd: tuple) -> bool:
     elif cmd[0] == "key":
         ingest.key_changed(cmd[1], cmd[2])
     elif cmd[0] == "admit":
-        ingest.admit(cmd[1])
+        ingest.admit(cmd[1], cmd[2])
     elif cmd[0] == "admitted":
         ingest.admission_changed(cmd[1], cmd[2])
     elif cmd[0] == "closed":

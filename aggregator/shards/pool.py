@@ -9,8 +9,9 @@ how a shard is started, reached and found dead: a local process and a pipe (``lo
 
 Messages, coordinator → shard: ``("keys", device -> public key)`` (signatures required: sent
 before the job, so a shard never reads a result unverified), ``("key", device, public key | None)``,
-``("admit", devices | None)`` (who may contribute: a shard holds only their chunks; None: an open
-fleet), ``("admitted", device, bool)``,
+``("admit", devices | None, revoked)`` (who may contribute: a shard holds only their chunks; None: an
+open fleet; never the revoked ones, in either mode), ``("admitted", device, bool)`` (an enrolment or a
+revocation, in either mode),
 ``("refeed", topic, payload)`` (a message the shard refused before it heard of its device's admission or key),
 ``("job", job_id, kind, config)``, ``("closed", job_id, round, accepted, earlier)`` (a round's
 close: its rows, and with ``earlier`` those of the rounds before, outside ``accepted`` are orphans,
@@ -18,7 +19,9 @@ deleted), ``("sums" | "statistics",
 request, job_id, accepted, context)``, ``("group_open", round config, hosting context)``, ``("group_offline" |
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("unadmitted", topic, payload)`` (a
-message of a device the shard had not been told was admitted, or whose key it lacks: handed back if it is), ``("sums",
+message of a device the shard had not been told was admitted, or whose key it lacks: handed back if it is),
+``("refused", topic, detail)`` (a device's message that raised there: refused, as one that raises on the
+coordinator's path), ``("sums",
 request, node sums or statistics, or the reason it has none)``, ``("group", job_id, "refused", round, culprits,
 {member: why})`` (members a hosted secure group refused, as it refuses them), ``("group", job_id, "sum", round,
 culprits, total, survivors)`` or ``("group", job_id, "failed", round, culprits, reason)`` (a hosted secure group's end,
@@ -46,6 +49,7 @@ from aggregator.shards.coordinator_rounds import ShardedRoundsJob
 from aggregator.shards.group_placement import SecureGroupPlacement
 from aggregator.shards.ladd_sums import LaddRoundSums
 from aggregator.shards.partial_sums import additive, reduce_nodes, shard_capability
+from aggregator.shards.shard import Admission
 from aggregator.shards.sum_tree import root_sum
 from aggregator.shards.secure_groups import ShardedSecureJob
 
@@ -75,7 +79,7 @@ class ShardPool(ABC):
         self._deliver: Callable[[tuple], None] = lambda item: None
         self._job: tuple | None = None
         self._keys: dict[str, bytes] | None = None          # signatures required: the enrolled keys
-        self._admitted: set[str] | None = None              # who may contribute (None: an open fleet)
+        self._admission = Admission()                       # who may contribute (the enrolled; any: an open fleet)
         # held while a command is sent (a reader thread hands chunks back as the service thread sends)
         # and from an admission's change to its commands' sending: a chunk handed back is sent after
         # the admission that let it back, never between the change and its command
@@ -139,8 +143,7 @@ class ShardPool(ABC):
             self._launch(index)
             if self._keys is not None:      # before the job: the shard holds every outbox message until then
                 self._send(index, ("keys", dict(self._keys)))
-            if self._admitted is not None:
-                self._send(index, ("admit", sorted(self._admitted)))
+            self._send(index, self._admit_command())
             if self._job is not None:
                 self._send(index, ("job", *self._job))
 
@@ -164,8 +167,7 @@ class ShardPool(ABC):
         message handed back is never handed back again."""
         device = self.topics.device_of(topic)
         with self.send_lock:
-            if device is not None and (self._admitted is None or device in self._admitted) \
-                    and (self._keys is None or device in self._keys):
+            if device is not None and self._admission.allows(device) and (self._keys is None or device in self._keys):
                 return self._send(index, ("refeed", topic, payload))
         self._deliver(("forward", topic, payload))
 
@@ -176,12 +178,17 @@ class ShardPool(ABC):
             raise RuntimeError("the shards get the keys at their start: require signatures before start()")
         self._keys = dict(keys)
 
-    def admit(self, devices: set[str] | None) -> None:
-        """The devices that may contribute (the fleet's enrolled ones; None: an open fleet): each
-        shard holds chunks of these only. Sent to the running shards, and to each at its start."""
+    def admit(self, devices: set[str] | None, revoked: set[str]) -> None:
+        """The devices that may contribute (the fleet's enrolled ones; None: an open fleet), never the
+        ``revoked`` ones: each shard holds chunks of these only. Sent to the running shards, and to
+        each at its start."""
         with self.send_lock:
-            self._admitted = None if devices is None else set(devices)
-            self._tell_started(("admit", None if devices is None else sorted(self._admitted)))
+            self._admission = Admission(devices, revoked)
+            self._tell_started(self._admit_command())
+
+    def _admit_command(self) -> tuple:
+        admitted = self._admission.admitted
+        return "admit", None if admitted is None else sorted(admitted), sorted(self._admission.revoked)
 
     def admission(self):
         """Held around an enrolment, a revocation or a fleet mode change and its commands to the
@@ -191,11 +198,10 @@ class ShardPool(ABC):
         return self.send_lock
 
     def admission_changed(self, device: str, admitted: bool) -> None:
-        """A device enrolled (True) or revoked (False): every shard follows at once."""
+        """A device enrolled (True) or revoked (False): every shard follows at once, an open fleet's
+        too (a revoked device is refused there as well)."""
         with self.send_lock:
-            if self._admitted is None:
-                return
-            (self._admitted.add if admitted else self._admitted.discard)(device)
+            self._admission.changed(device, admitted)
             self._tell_started(("admitted", device, admitted))
 
     def _tell_started(self, command: tuple) -> None:

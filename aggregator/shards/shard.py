@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from protocols import messages as M
 from protocols.chunking import MessageAssembler
@@ -72,6 +72,26 @@ class Forward:
     not_admitted: bool = False
 
 
+class Admission:
+    """Whose outbox messages a shard takes, as its coordinator's fleet says: the enrolled devices
+    (None: an open fleet, anyone) less the revoked ones, in either fleet mode (one aggregator refuses
+    a revoked device's every message before any check, open fleet or not; a review's finding: an
+    open fleet's shards were never told of a revocation). The pool keeps one to send each shard."""
+
+    def __init__(self, admitted: Iterable[str] | None = None, revoked: Iterable[str] = ()):
+        self.admitted = None if admitted is None else set(admitted)
+        self.revoked = set(revoked)
+
+    def changed(self, device: str, admitted: bool) -> None:
+        """A device enrolled (True) or revoked (False) at the coordinator."""
+        (self.revoked.discard if admitted else self.revoked.add)(device)
+        if self.admitted is not None:
+            (self.admitted.add if admitted else self.admitted.discard)(device)
+
+    def allows(self, device: str) -> bool:
+        return device not in self.revoked and (self.admitted is None or device in self.admitted)
+
+
 @dataclass
 class Publish:
     """Messages of a secure group this shard hosts, for its members' inboxes (``shard_groups.py``)."""
@@ -96,8 +116,7 @@ class ShardIngest:
                  max_message_bytes: int = 256 * 1024 * 1024):
         self.index, self.shards, self.store, self.topics = index, shards, store, topics
         self.lo, self.hi = bucket_range(index, shards)
-        # the devices whose chunks are held (the coordinator's ``admit``): None while its fleet is open
-        self.admitted: set[str] | None = None
+        self.admission = Admission()        # whose chunks are held (the coordinator's ``admit``)
         self.assembler = MessageAssembler(max_message_bytes=max_message_bytes, may_chunk=self.may_chunk)
         self.registry: IdentityRegistry | None = None   # --require-signatures: the coordinator's enrolled keys
         self.job_id: str | None = None
@@ -141,19 +160,19 @@ class ShardIngest:
             raise SenderNotAdmitted(f"signature rejected for {sender!r}: no enrolled key at this shard")
         verify_enrolled(self.registry, sender, signed, signature)
 
-    def admit(self, devices: list[str] | None) -> None:
+    def admit(self, devices: list[str] | None, revoked: Iterable[str] = ()) -> None:
         """The devices that may contribute (the coordinator's enrolled fleet; None: its fleet is
-        open). Only their chunks are held until whole: another's is forwarded, and refused on the
-        coordinator's path with the reason, as the coordinator's own assembler refuses it."""
-        self.admitted = None if devices is None else set(devices)
+        open), never the ``revoked`` ones. Only their chunks are held until whole: another's is
+        forwarded, and refused on the coordinator's path with the reason, as the coordinator's own
+        assembler (or its check of a revoked sender) refuses it."""
+        self.admission = Admission(devices, revoked)
 
     def admission_changed(self, device: str, admitted: bool) -> None:
         """A device enrolled (True) or revoked (False) at the coordinator."""
-        if self.admitted is not None:
-            (self.admitted.add if admitted else self.admitted.discard)(device)
+        self.admission.changed(device, admitted)
 
     def may_chunk(self, device: str) -> bool:
-        return self.admitted is None or device in self.admitted
+        return self.admission.allows(device)
 
     def key_changed(self, device: str, public_key: bytes | None) -> None:
         """A device enrolled (its key) or revoked (None) at the coordinator."""
