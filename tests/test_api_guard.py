@@ -3,6 +3,7 @@ over the cap -> 413 (declared length) or refused as it streams (chunked), all ag
 uvicorn server over a socket, with the process's memory checked."""
 
 import resource
+import select
 import socket
 import time
 
@@ -120,7 +121,8 @@ def test_sign_ins_whose_form_never_arrives_are_answered_and_the_api_stays_reacha
     sign-in's form must now be in within the guard's deadline (1 s here): past it the guard answers
     408 and closes, and the API answers again."""
     monkeypatch.setattr(guard, "LOGIN_BODY_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(connections, "MAX_CONNECTIONS", 16)      # uvicorn's limit_concurrency, read by ApiServer
+    monkeypatch.setattr(connections, "MAX_REQUESTS", 16)      # the guard's request slots ...
+    monkeypatch.setattr(connections, "OPERATOR_SLOTS", 1)        # ... 15 open to requests without the token
     server = ApiServer(create_app(Store(tmp_path / "state.db"), TOKEN), head_timeout_s=1.0).start()
     health = f"GET /api/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
     try:
@@ -145,3 +147,76 @@ def test_sign_ins_whose_form_never_arrives_are_answered_and_the_api_stays_reacha
         assert raw_request(server.port, health).startswith(b"HTTP/1.1 200"), "the API is still unreachable"
     finally:
         server.stop()
+
+
+def _replies(sockets: list[socket.socket], quiet_s: float = 0.5) -> tuple[dict[socket.socket, bytes], set[socket.socket]]:
+    """What each socket received until none has more for ``quiet_s``, and the sockets the server closed."""
+    replies, closed = {s: b"" for s in sockets}, set()
+    while waiting := [s for s in sockets if s not in closed]:
+        readable, _, _ = select.select(waiting, [], [], quiet_s)
+        if not readable:
+            break
+        for s in readable:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                chunk = b""
+            replies[s] += chunk
+            if not chunk:
+                closed.add(s)
+    return replies, closed
+
+
+def test_a_flood_without_the_token_leaves_the_operator_a_slot(tmp_path, monkeypatch):
+    """A review's finding: uvicorn's one limit (its limit_concurrency) counted every open connection,
+    token or not, so a client without the token that held them (a keep-alive connection after its
+    401, a connection that has sent nothing yet, a sign-in whose form never comes) took every slot
+    and the operator's request with the token was answered 503. Now an answer to a request without
+    the token closes its connection, and a share of the slots (4 of 16 here) is only for requests
+    that present the token, decided once the request's head is read."""
+    monkeypatch.setattr(connections, "MAX_REQUESTS", 16)
+    monkeypatch.setattr(connections, "OPERATOR_SLOTS", 4)
+    server = ApiServer(create_app(Store(tmp_path / "state.db"), TOKEN)).start()
+    connect = lambda: socket.create_connection(("127.0.0.1", server.port), timeout=10)   # noqa: E731
+    flood: list[socket.socket] = []
+    try:
+        asked = [connect() for _ in range(16)]
+        for s in asked:
+            s.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answers, asked_closed = _replies(asked)                     # answered (and closed) before the sign-ins start
+        silent = [connect() for _ in range(16)]
+        stalled = [connect() for _ in range(16)]
+        for s in stalled:
+            s.sendall(b"POST /dashboard/login HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ntoken=")
+        flood = [*asked, *silent, *stalled]
+        sign_ins, stalled_closed = _replies(stalled)
+        operator = raw_request(server.port, f"GET /api/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n")
+        assert operator.startswith(b"HTTP/1.1 200"), operator[:80]
+        assert b"\r\nconnection: close\r\n" not in operator.lower()       # the operator's stays alive
+        for s in asked:                               # each 401 closed its connection: no slot kept alive
+            assert answers[s].startswith(b"HTTP/1.1 401") and b"\r\nconnection: close\r\n" in answers[s].lower()
+            assert s in asked_closed, "the connection stayed open after its 401"
+        # the sign-ins without the token had the 12 slots open to them; the rest were refused at once
+        refused = [s for s in stalled if sign_ins[s]]
+        assert len(refused) == 4 and all(sign_ins[s].startswith(b"HTTP/1.1 503") for s in refused)
+        assert all(s in stalled_closed for s in refused)
+    finally:
+        for s in flood:
+            s.close()
+        server.stop()
+
+
+def test_request_slots_keep_the_operators_share():
+    """4 slots, 1 only for requests with the token: 3 without it run at once, the 4th waits for a
+    request with the token, and every slot counts against the total whoever holds it."""
+    slots = connections.RequestSlots(total=4, operator_only=1)
+    assert [slots.take(with_token=False) for _ in range(4)] == [True, True, True, False]
+    assert slots.take(with_token=True) and not slots.take(with_token=True)       # 4 running: none left
+    slots.give_back(with_token=False)                  # 3 running, 2 of them without the token
+    assert slots.take(with_token=True)                 # the freed slot, taken by the operator
+    assert not slots.take(with_token=False)            # 4 running
+    slots.give_back(with_token=True)
+    slots.give_back(with_token=True)                   # 2 running, both without the token
+    assert slots.take(with_token=False) and not slots.take(with_token=False)    # 3 without it at most
+    assert slots.take(with_token=True) and (slots.running, slots.running_without_token) == (4, 3)

@@ -28,6 +28,13 @@ The cookie is ``Secure`` when the dashboard is at https for the sign-in request 
 ``scheme``: uvicorn's TLS or a trusted proxy's X-Forwarded-Proto, or Host naming a public origin
 given only as https): without it a browser signed in at https://fleet.example.com would send the
 session to http://fleet.example.com too.
+
+The guard also holds the API's request slots (``connections.RequestSlots``), decided here, where
+the request's head has been read: a request takes a slot of the pool its token (or session) says
+before anything else runs, and one that finds its pool full is answered 503 with its connection
+closed. Every answer to a request without the token closes its connection (``Connection: close``):
+a client without the token keeps no connection alive between requests, and the operator's share of
+the slots is never anyone else's (``connections.py`` says why).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from urllib.parse import parse_qs, parse_qsl
 
 from starlette.requests import cookie_parser
 
+from aggregator.api.connections import RequestSlots
 from aggregator.api.origins import DashboardOrigins
 
 MAX_BODY_BYTES = 1024 * 1024          # the largest request the API takes (a job config, a key)
@@ -147,13 +155,24 @@ class RequestGuard:
     def __init__(self, app, token: str, max_body: int = MAX_BODY_BYTES, origins: DashboardOrigins | None = None):
         self.app, self.token, self.max_body = app, token, max_body
         self.origins = origins or DashboardOrigins()
+        self.slots = RequestSlots()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        with_token = authenticated(scope, self.token)
+        if not self.slots.take(with_token):
+            return await _answer(send, 503, "the admin API is answering as many requests as it takes; try again",
+                                 {"connection": "close", "retry-after": "1"})
+        try:
+            await self._guarded(scope, receive, send if with_token else _closing(send), with_token)
+        finally:
+            self.slots.give_back(with_token)
+
+    async def _guarded(self, scope, receive, send, with_token: bool) -> None:
         if scope["path"] == LOGIN_PATH and scope.get("method") == "POST":
             return await self._sign_in(scope, receive, send)
-        if not authenticated(scope, self.token):
+        if not with_token:
             if scope["path"] in LOGIN_PATHS and scope.get("method") == "GET":
                 expired = _session_cookie(_headers(scope)) is not None
                 return await _login_page(send, "Your session has ended; sign in again." if expired else "")
@@ -227,6 +246,16 @@ class RequestGuard:
                     "headers": [(b"location", b"/dashboard/"), (b"content-length", b"0"), (b"cache-control", b"no-store"),
                                 (b"set-cookie", cookie[COOKIE].OutputString().encode())]})
         await send({"type": "http.response.body", "body": b""})
+
+
+def _closing(send):
+    """``send``, its answer closing the connection (uvicorn closes it once the answer is out)."""
+    async def closing_send(message):
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+    return closing_send
 
 
 async def _login_body(receive) -> bytes | None:

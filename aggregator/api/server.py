@@ -36,14 +36,14 @@ class ApiServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, head_timeout_s: float | None = None):
         import uvicorn
 
-        from aggregator.api.connections import MAX_CONNECTIONS, REQUEST_HEAD_TIMEOUT_S, bounded_protocol, \
-            raise_open_files_limit
+        from aggregator.api.connections import REQUEST_HEAD_TIMEOUT_S, bounded_protocol, raise_open_files_limit
 
         raise_open_files_limit()
+        # no limit_concurrency: it counts connections with or without the token, so a flood without
+        # it starved the operator; the app's guard holds the request slots (connections.py)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     access_log=False, lifespan="off",
-                                                    http=bounded_protocol(head_timeout_s or REQUEST_HEAD_TIMEOUT_S),
-                                                    limit_concurrency=MAX_CONNECTIONS))
+                                                    http=bounded_protocol(head_timeout_s or REQUEST_HEAD_TIMEOUT_S)))
         self.host = host
         self.port = port
         self._thread: threading.Thread | None = None
