@@ -69,7 +69,7 @@ from protocols.secagg.distributed_dp import noisy_bound
 
 from aggregator.strategies.dp_ladd import GLOBAL, apply_mean_deltas
 from aggregator.strategies.robust_fedavg import check_dp_group_sum, check_group_mean
-from aggregator.jobs.config_limits import Range, limited
+from aggregator.jobs.config_limits import Range, check_declared, limited
 from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
 from aggregator.jobs.secure_fields import SecureUpdateFields
 from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
@@ -80,15 +80,16 @@ class SecureLaddConfig(LaddConfig, SecureUpdateFields):
     """LADD's fields, the secure ones (``aggregator/jobs/secure_fields.py``; ``max_samples``: local
     images per device) and the smallest cluster a slot may sum."""
 
-    # fewer selected/surviving devices in a cluster: no θ_c update
-    min_cluster_contributors: int = limited(2, Range(1, 1_000_000))
+    # fewer selected/surviving devices in a cluster: no θ_c update. At least 2, a one-device slot
+    # being that device's update: declared as the limit, so every entry point that checks a config
+    # (the admin API's schema, aggregator serve --config, --ladd-config) refuses 1 before any job exists
+    min_cluster_contributors: int = limited(2, Range(2, 1_000_000))
 
     def __post_init__(self):
         super().__post_init__()
         if self.aggregator != "mean":
             raise ValueError(f"aggregator {self.aggregator!r} needs each device's update; a secure job sees only sums")
-        if self.min_cluster_contributors < 2:
-            raise ValueError("min_cluster_contributors must be >= 2 (a one-device slot is that device's update)")
+        check_declared(self, "min_cluster_contributors")      # a config built in Python
         if self.max_samples < 1 or not self.max_abs_param > 0:
             raise ValueError("max_samples >= 1 and max_abs_param > 0 required")
 

@@ -111,12 +111,21 @@ class LaddSimConfig:
 
     def check_recipe(self) -> None:
         """The LADD job's own rules on the fields it takes from this config (what the aggregator
-        process would refuse once the benchmark is rendered): its network and its recipe."""
+        process would refuse once the benchmark is rendered): its network and its recipe, and with
+        ``secure`` the secure job's (a group of at most MAX_GROUP_SIZE, ...)."""
         from fedfleet.ladd.aggregator_process import segmentation_spec
 
         model = segmentation_spec(dataclasses.asdict(self)).to_dict()      # the network's own checks
         shared = {f.name for f in dataclasses.fields(LaddConfig)} & {f.name for f in dataclasses.fields(self)}
-        LaddConfig(model=model, **{name: getattr(self, name) for name in shared})
+        job_config = SecureLaddConfig if self.secure else LaddConfig
+        job_config(model=model, **{name: getattr(self, name) for name in shared}, **self.secure_job_fields())
+
+    def secure_job_fields(self) -> dict:
+        """What this experiment sets of the secure LADD job's own fields (none unless ``secure``)."""
+        if not self.secure:
+            return {}
+        return dict(graph=self.secure_graph, phase_timeout_s=self.phase_timeout_s,
+                    min_cluster_contributors=self.min_cluster_contributors, max_samples=int(self.images_per_device[1]))
 
 
 QUICK = dict(seeds=(0,), devices_per_domain=2, images_per_device=(6, 8), n_source=48, test_per_domain=6,

@@ -35,10 +35,7 @@ def job_configs(cfg: LaddSimConfig, seed: int, n_devices: int) -> dict:
     common.update(model=segmentation_spec(dataclasses.asdict(cfg)).to_dict(),
                   weights_sha256=weights_sha256("mobilenet_v2"), expected_devices=n_devices, start_timeout_s=120.0,
                   seed=seed)
-    if cfg.secure:
-        common.update(graph=cfg.secure_graph, phase_timeout_s=cfg.phase_timeout_s,
-                      min_cluster_contributors=cfg.min_cluster_contributors,
-                      max_samples=int(cfg.images_per_device[1]))
+    common.update(cfg.secure_job_fields())
     ladd = dict(common, job_id=f"ladd-s{seed}", clustering="styles", cluster_scope=cfg.cluster_scope)
     base = dict(common, job_id=f"fedavg-st-s{seed}", clustering="none")
     if not cfg.baseline_kd:
