@@ -36,6 +36,7 @@ BAD = [
     ({"secure_graph": "star"}, "'secure_graph'"),
     ({"timeout_s": float("nan")}, "'timeout_s'"),
     ({"timeout_s": 10 ** 400}, "'timeout_s'"),
+    ({"domains": ["fog", "rain", "fog"]}, "'domains' names 'fog' more than once"),    # a review's finding
     ({"secure": True, "min_cluster_contributors": 1}, "'min_cluster_contributors'"),
 ]
 
@@ -55,6 +56,7 @@ def test_the_defaults_and_the_quick_run_are_accepted():
 
 @pytest.mark.parametrize("fields,words", [({"lr": -1}, "'lr'"), ({"k_min": 6, "k_max": 3}, "k_min"),
                                           ({"image_size": 1024, "n_source": 100_000}, "pixels"),
+                                          ({"domains": ["fog", "fog"]}, "'fog' more than once"),
                                           ({"secure": True, "min_cluster_contributors": 1}, "min_cluster_contributors")])
 def test_the_command_refuses_a_bad_ladd_config_in_one_line_before_anything_runs(fields, words, tmp_path, capsys,
                                                                                 monkeypatch):

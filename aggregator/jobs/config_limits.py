@@ -61,11 +61,13 @@ class Fields:
 class Items:
     """A list field (a JSON array; a tuple where Python builds the config): ``min_items`` to
     ``max_items`` items, each of ``item_type`` (float: any finite number; int: an integer, never
-    1.5 silently cut to 1; str: a name, with ``item`` a OneOf) and within ``item``."""
+    1.5 silently cut to 1; str: a name, with ``item`` a OneOf) and within ``item``; ``distinct``: no
+    item twice (a list of names, each naming one thing)."""
     item: Range | OneOf
     max_items: int
     item_type: type = float
     min_items: int = 1
+    distinct: bool = False
 
 
 Limit = Range | OneOf | Pattern | Fields | Items
@@ -192,6 +194,9 @@ def check_limit(what: str, value, limit: Limit | None) -> None:
                 kind = {int: "an integer", float: "a number", str: "a string"}.get(limit.item_type, limit.item_type)
                 raise ValueError(f"{what}[{i}] must be {kind}")
             check_limit(f"{what}[{i}]", item, limit.item)
+        repeated = [item for i, item in enumerate(value) if item in value[:i]]
+        if limit.distinct and repeated:
+            raise ValueError(f"{what} names {repeated[0]!r} more than once")
     if isinstance(limit, Fields):
         _check_fields(what, value, limit)
 

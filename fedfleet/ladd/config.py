@@ -40,7 +40,8 @@ def spec(name: str):
 @dataclass
 class LaddSimConfig:
     seeds: tuple[int, ...] = limited((0, 1, 2), Items(SEED, 100, int))     # each seed is a whole run
-    domains: tuple[str, ...] = limited(TARGET_DOMAINS, Items(OneOf(tuple(DOMAINS)), len(DOMAINS), str))
+    # each named once: a domain named twice got twice the devices and one test set (rendered twice, one kept)
+    domains: tuple[str, ...] = limited(TARGET_DOMAINS, Items(OneOf(tuple(DOMAINS)), len(DOMAINS), str, distinct=True))
     devices_per_domain: int = limited(10, Range(1, 10_000))
     images_per_device: tuple[int, int] = limited((12, 24), Items(Range(1, 10_000), 2, int, min_items=2))
     n_source: int = limited(300, Range(1, 1_000_000))
