@@ -64,6 +64,23 @@ def test_a_degree_past_the_group_counts_the_complete_graphs_masks():
         _config(9, 2 ** 26, graph="regular", degree=100)
 
 
+def test_a_count_past_fifteen_digits_is_written_in_scientific_notation():
+    """A review's finding: a 401-digit count was written whole. Every count a RoundConfig can hold
+    (at most 10,000 masks of 2^27 words) is still written whole, as the Java client writes it."""
+    with pytest.raises(ConfigError) as refused:
+        secagg_config.check_mask_words(3 * 10 ** 200, 41 * 10 ** 199)
+    assert str(refused.value) == ("the round asks each member to expand 3.00e+200 masks of 4.10e+200 words "
+                                  f"(1.23e+401 words), more than a device expands ({MAX_MASK_WORDS})")
+    with pytest.raises(ConfigError, match=r"1 masks of 999999999999999 words \(999999999999999 words\)"):
+        secagg_config.check_mask_words(1, 10 ** 15 - 1)
+    with pytest.raises(ConfigError, match=r"1 masks of 1.00e\+15 words"):
+        secagg_config.check_mask_words(1, 10 ** 15)
+    with pytest.raises(ConfigError, match=r"\(1.00e\+6000 words\)"):        # str() of it raised ValueError
+        secagg_config.check_mask_words(10 ** 3000, 10 ** 3000)
+    with pytest.raises(ConfigError, match=_refusal(10_000, 2 ** 27)):
+        secagg_config.check_mask_words(10_000, 2 ** 27)
+
+
 def _signed_start(n: int, vector_length: int, monkeypatch) -> RoundStart:
     """The aggregator's signed RoundStart of a complete group of n to d00000, built past the budget
     where it must be (as a compromised aggregator would sign it)."""

@@ -13,6 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
@@ -108,12 +109,26 @@ def mask_expansions(n: int, degree: int) -> int:
     return min(degree, n - 1) + 1
 
 
+# A count of up to this many digits is written whole. Every count a RoundConfig can hold is (at most
+# 10,000 masks of 2^27 words: 1.3·10^12), as the Java client writes it; only a caller's own count
+# goes past it (a review found a 401-digit one written whole across a log line).
+WHOLE_DIGITS = 15
+
+
+def readable_count(n: int) -> str:
+    """``n`` whole, or past WHOLE_DIGITS digits in scientific notation to three significant digits
+    (Decimal: a float overflows past 10^308, and str() refuses an int of over 4,300 digits)."""
+    return str(n) if abs(n) < 10 ** WHOLE_DIGITS else format(Decimal(n), ".2e")
+
+
 def check_mask_words(masks: int, vector_length: int) -> None:
     """At most MAX_MASK_WORDS words for a member expanding ``masks`` masks (:func:`mask_expansions`)
     of ``vector_length`` words (Java's RoundConfig says the same)."""
-    if masks * vector_length > MAX_MASK_WORDS:
-        raise ConfigError(f"the round asks each member to expand {masks} masks of {vector_length} words "
-                          f"({masks * vector_length} words), more than a device expands ({MAX_MASK_WORDS})")
+    words = masks * vector_length
+    if words > MAX_MASK_WORDS:
+        raise ConfigError(f"the round asks each member to expand {readable_count(masks)} masks of "
+                          f"{readable_count(vector_length)} words ({readable_count(words)} words), "
+                          f"more than a device expands ({MAX_MASK_WORDS})")
 
 
 def largest_mask_expansions(graph: str, max_members: int, dropout_rate: float = 0.1) -> int:

@@ -111,7 +111,9 @@ public final class RoundConfig {
         } else {
             throw new SecAggException("graph must be 'complete' or 'regular', got " + graph);
         }
-        // a degree past the group is the complete graph: n - 1 pairwise masks at most, + the self mask
+        // a degree past the group is the complete graph: n - 1 pairwise masks at most, + the self mask.
+        // Written whole: at most 10,000 masks of 2^27 words (n and vectorLength are checked above), which
+        // Python writes whole too (config.py WHOLE_DIGITS; only a caller's own larger count is abbreviated)
         long masks = Math.min(degree, n - 1) + 1L, words = masks * vectorLength;
         if (words > MAX_MASK_WORDS)
             throw new SecAggException("the round asks each member to expand " + masks + " masks of " + vectorLength
