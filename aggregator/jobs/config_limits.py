@@ -176,6 +176,14 @@ def undeclared_fields(config_cls: type) -> list[str]:
     return [name for name, limit in declared_limits(config_cls).items() if limit is None]
 
 
+def _check_distinct(what: str, items) -> None:
+    seen = set()
+    for item in items:
+        if item in seen:
+            raise ValueError(f"{what} names {item!r} more than once")
+        seen.add(item)
+
+
 def check_limit(what: str, value, limit: Limit | None) -> None:
     if limit is None:
         raise TypeError(f"{what} has no declared limit")       # a registry test keeps this from happening
@@ -194,9 +202,8 @@ def check_limit(what: str, value, limit: Limit | None) -> None:
                 kind = {int: "an integer", float: "a number", str: "a string"}.get(limit.item_type, limit.item_type)
                 raise ValueError(f"{what}[{i}] must be {kind}")
             check_limit(f"{what}[{i}]", item, limit.item)
-        repeated = [item for i, item in enumerate(value) if item in value[:i]]
-        if limit.distinct and repeated:
-            raise ValueError(f"{what} names {repeated[0]!r} more than once")
+        if limit.distinct:      # only then: a long list of numbers is not searched for repeats
+            _check_distinct(what, value)
     if isinstance(limit, Fields):
         _check_fields(what, value, limit)
 
