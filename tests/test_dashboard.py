@@ -182,3 +182,69 @@ def test_dashboard_after_the_job_ended_keeps_its_history_lists_every_device_and_
         svc.stop()
         thread.join(30)
         shutil.rmtree(profile, ignore_errors=True)
+
+
+class SlowRoute:
+    """An ASGI app in front of ``app`` that answers ``path`` ``delay_s`` late, keeping when each of
+    its requests came and went and the most in flight at once (all on the server's event loop)."""
+
+    def __init__(self, app, path: str, delay_s: float):
+        self.app, self.path, self.delay_s = app, path, delay_s
+        self.came, self.went = [], []
+        self.in_flight = self.most_at_once = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != self.path:
+            return await self.app(scope, receive, send)
+        import asyncio
+
+        self.came.append(time.monotonic())
+        self.in_flight += 1
+        self.most_at_once = max(self.most_at_once, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            self.went.append(time.monotonic())
+
+
+def wait_until(condition, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def test_a_slow_server_gets_one_dashboard_refresh_at_a_time(tmp_path):
+    """Each refresh takes longer than the second between refreshes: the page asked again every
+    second regardless (setInterval), so requests piled up on a slow server; now it asks a second
+    after the last refresh settled. A click on a job during a refresh still refreshes at once
+    after it, not beside it."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed (Debian package chromium)")
+    store = Store(tmp_path / "state.db")
+    store.create_job("ops", "fed3r", {})
+    slow = SlowRoute(create_app(store, TOKEN), "/api/status", delay_s=1.3)
+    api = ApiServer(slow).start()
+    profile = tempfile.mkdtemp(prefix="fedfleet-chromium-")
+    try:
+        with sync_api.sync_playwright() as pw:
+            ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
+                                                        args=CHROMIUM_ARGS, **UNDER_TEST)
+            page = ctx.new_page()
+            page.goto(f"{api.url}/dashboard/")
+            page.fill("#token", TOKEN)
+            page.click("#login button[type=submit]")
+            page.wait_for_selector("#jobs-table tbody tr", timeout=20000)     # the first refresh done
+            wait_until(lambda: len(slow.came) == 2 and slow.in_flight == 1, "the second refresh under way")
+            page.click("#jobs-table tbody tr")
+            wait_until(lambda: len(slow.came) >= 3, "the refresh the click asked for")
+            ctx.close()
+    finally:
+        api.stop()
+        shutil.rmtree(profile, ignore_errors=True)
+    assert slow.most_at_once == 1, (slow.came, slow.went)
+    # the next refresh waited for the first's answer (and the page's pause), the click's ran at once after the second
+    assert slow.came[1] - slow.went[0] >= 0.9 and slow.came[2] - slow.went[1] < 0.9, (slow.came, slow.went)

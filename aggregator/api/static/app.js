@@ -100,7 +100,7 @@ function showJobs(jobs, shown) {
     ago(j.started_at), ago(j.finished_at), (j.summary && j.summary.error) || ""]), (tr, i) => {
     tr.dataset.job = jobs[i].job_id;
     if (jobs[i].job_id === shown) tr.className = "selected";
-    tr.addEventListener("click", () => { chosenJob = jobs[i].job_id; refresh(); });
+    tr.addEventListener("click", () => { chosenJob = jobs[i].job_id; poll(); });
   });
 }
 
@@ -196,6 +196,23 @@ async function showCompute() {
   $("compute-detail").textContent = `${health.compute.gpu ?? "no GPU"}; SecAgg unmask: ${health.compute.secagg_unmask}`;
 }
 
+// One refresh at a time: the next is due a second after the last settled. A fixed 1 s interval
+// started the next while a slow one (a slow server, a large fleet) was unfinished, piling requests
+// on the server. A refresh asked for during one (a click in the jobs table) runs as it settles.
+const REFRESH_PAUSE_MS = 1000;
+let refreshing = false, refreshAgain = false, nextRefresh = null;
+
+async function poll() {
+  if (refreshing) { refreshAgain = true; return; }
+  clearTimeout(nextRefresh);
+  refreshing = true;
+  try {
+    await refresh();
+  } finally {                               // refresh shows its own errors; polling goes on after any
+    refreshing = false;
+    if (refreshAgain) { refreshAgain = false; poll(); } else nextRefresh = setTimeout(poll, REFRESH_PAUSE_MS);
+  }
+}
+
 showCompute().catch((err) => { $("compute-detail").textContent = `error: ${err.message}`; });
-refresh();
-setInterval(refresh, 1000);
+poll();
