@@ -154,19 +154,28 @@ def bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
 
+def device_count(value) -> int:
+    """A count of devices in /api/status (an earlier aggregator listed them: the list's length)."""
+    count = len(value) if isinstance(value, list) else value
+    if type(count) is not int or count < 0:         # a bool is no count
+        raise TypeError(f"a count of devices is {type(value).__name__} {value!r:.40}")
+    return count
+
+
 def progress_line(status: dict) -> str:
     job = status.get("job")
+    online = device_count(status.get("devices_online", 0))
     if not job:
-        return f"no active job; {len(status.get('devices_online', []))} devices online"
+        return f"no active job; {online} devices online"
     cur = job.get("current_round")
     acc = f"  acc {job['accuracy']:.4f}" if job.get("accuracy") is not None else ""
     if cur:
-        answered = len(cur["accepted"]) + len(cur["declined"]) + len(cur["rejected"])
-        rnd = f"round {cur['round']:>3} {bar(answered, len(cur['participants']), 20)}"
+        answered = sum(device_count(cur[k]) for k in ("accepted", "declined", "rejected"))
+        rnd = f"round {cur['round']:>3} {bar(answered, device_count(cur['participants']), 20)}"
     else:
         rnd = f"round {job['round']:>3} ({one_line(job.get('waiting') or 'between rounds')})"
     return (f"{one_line(job['job_id'], 64)} [{one_line(job['state'], 64)}] {rnd}  contributions {job['contributions']}  "
-            f"online {len(status.get('devices_online', []))}{acc}")
+            f"online {online}{acc}")
 
 
 def listed(values, empty: str = "-") -> str:

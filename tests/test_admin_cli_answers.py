@@ -165,8 +165,28 @@ def test_a_good_answer_within_the_bound_is_read_whole(server, capsys):
     assert rc == 0 and json.loads(out) == status
 
 
-@pytest.mark.parametrize("answer", [{"job": None, "devices_online": 3}, [1, 2], {"job": {"rounds": "x"}}],
-                         ids=["count-not-list", "list", "job-of-another-shape"])
+ROUND_COUNTS = {"participants": 4, "accepted": 2, "declined": 1, "rejected": 0, "lost": 0, "pending": 1}
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["counts", "lists-of-an-earlier-aggregator"])
+def test_the_status_line_reads_counts_of_devices_or_an_earlier_aggregators_lists(server, capsys, listed):
+    """/api/status counts the devices online and the open round's (it listed them: 4 MB at 100,000
+    online); the CLI reads both."""
+    as_sent = (lambda n: [f"dev{i:02d}" for i in range(n)]) if listed else (lambda n: n)
+    current = {"round": 2, **{k: as_sent(n) for k, n in ROUND_COUNTS.items()}}
+    job = {"job_id": "ops", "state": "running", "round": 2, "contributions": 5, "accuracy": None, "waiting": None,
+           "current_round": current}
+    for status, line in (({"job": None, "devices_online": as_sent(3)}, "no active job; 3 devices online"),
+                         ({"job": job, "devices_online": as_sent(3)},
+                          "ops [running] round   2 [###############.....] 3/4  contributions 5  online 3")):
+        server.answer = (200, json.dumps(status).encode())
+        rc = main(["status", "--url", f"http://127.0.0.1:{server.server_port}", "--token", "t"])
+        assert (rc, capsys.readouterr().out) == (0, line + "\n")
+
+
+@pytest.mark.parametrize("answer", [{"job": None, "devices_online": "3"}, {"job": None, "devices_online": True}, [1, 2],
+                                    {"job": {"rounds": "x"}}],
+                         ids=["count-as-text", "count-as-bool", "list", "job-of-another-shape"])
 def test_an_answer_of_another_shape_is_one_line_not_a_traceback(server, capsys, answer):
     server.answer = (200, json.dumps(answer).encode())
     rc, err = admin_status(server, capsys)

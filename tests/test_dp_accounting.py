@@ -212,7 +212,7 @@ def test_the_service_status_says_why_a_dp_job_opens_no_round(tmp_path):
     live status (admin API, ``fedfleet admin status``, dashboard) now carries the job's reason."""
     from aggregator.security.fleet import Fleet
     from aggregator.service.active_job import ActiveJob
-    from aggregator.service.reporting import live_snapshot
+    from aggregator.service.reporting import live_snapshot, status_summary
     from aggregator.storage.schema import JobState
     from fedfleet.admin import progress_line
 
@@ -223,7 +223,7 @@ def test_the_service_status_says_why_a_dp_job_opens_no_round(tmp_path):
     assert a.job.next_participants({f"d{i}" for i in range(40)}) == []
     status = live_snapshot(a, fleet, {})
     assert "q·pool = 400/1000 < 1" in status["job"]["waiting"] and "it opens with 100 online" in status["job"]["waiting"]
-    assert status["job"]["waiting"] in progress_line(status)
+    assert status["job"]["waiting"] in progress_line(status_summary(status))     # as /api/status answers it
     a.state = JobState.PAUSED                               # a paused job waits for its operator, not for devices
     assert live_snapshot(a, fleet, {})["job"]["waiting"] is None
     a.state = JobState.RUNNING

@@ -32,6 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from protocols.envelope import DuplicateKeyError, object_without_duplicates
 
 from aggregator.compute.summary import compute_summary
+from aggregator.service.reporting import status_summary
 from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
 from aggregator.api.guard import DASHBOARD_HEADERS, RequestGuard, authenticated
@@ -132,9 +133,11 @@ def add_service_routes(app: FastAPI, ctx: ApiContext, compute: dict) -> None:
         return {"status": "ok", "service_running": ctx.service is not None and bool(ctx.live()), "compute": compute}
 
     @get("/api/status", response_model=dict[str, Any],
-           description="live snapshot: online devices, active job, current round progress", responses=READ)
+           description="live snapshot, of a size independent of the fleet's: devices online (a count), active "
+                       "job, current round progress (counts); the devices themselves are /api/devices'",
+           responses=READ)
     def live_status() -> dict:
-        return ctx.live()
+        return status_summary(ctx.live())
 
     @get("/metrics", response_class=Response,
            responses={**READ, 200: {"content": {"text/plain": {}}, "description": "Prometheus text format 0.0.4"}})

@@ -178,8 +178,8 @@ async function refresh() {
     const live = status.job;
     const shownId = chosenJob || (live ? live.job_id : jobs.length ? jobs[0].job_id : null);
     showJobs(jobs, shownId);
-    showDevices(devices, status.devices_online ? status.devices_online.length : devices.filter((d) => d.online).length,
-      fleet);
+    // /api/status counts the devices online (absent without a live service: count the page's)
+    showDevices(devices, status.devices_online ?? devices.filter((d) => d.online).length, fleet);
     showDeployments(deployments);
     fillTable("clusters-table", clusters.map((c) => [c.cluster_id, c.label, c.job_id, c.model_id, c.devices]));
     const job = jobs.find((j) => j.job_id === shownId);
