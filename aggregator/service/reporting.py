@@ -79,11 +79,11 @@ def status_summary(snap: dict) -> dict:
         return {}
     summary = {**snap, "devices_online": len(snap["devices_online"]), "revoked": len(snap["revoked"]),
                "not_enrolled": len(snap["not_enrolled"])}
-    del summary["last_seen"]
+    summary.pop("last_seen", None)
     job = snap["job"]
     if job is not None and job["current_round"] is not None:
         current = job["current_round"]
-        summary["job"] = {**job, "current_round": {**current, **{k: len(current[k]) for k in ROUND_DEVICE_LISTS}}}
+        summary["job"] = {**job, "current_round": {**current, **{k: len(current[k]) for k in ROUND_DEVICE_LISTS if k in current}}}
     return summary
 
 
