@@ -4,8 +4,9 @@ controller, the device agent and the device's deployment follower each run on on
 paho calls back on its network thread, which must not block and must not touch the party's state:
 the link's callback only :meth:`MessageLoop.post` s what arrived. The loop's thread takes the items
 in order, hands each to ``handle``, and calls ``tick(now)`` after each item and after every
-``tick_s`` of quiet, so the state has a single writer and needs no locks. Any other thread (the
-admin API) runs code on that thread with :meth:`MessageLoop.call` and gets its result or its error.
+``tick_s`` of quiet (at once when the tick asked for it: :meth:`tick_soon`), so the state has a
+single writer and needs no locks. Any other thread (the admin API) runs code on that thread with
+:meth:`MessageLoop.call` and gets its result or its error.
 
 What raises in ``handle`` or ``tick`` goes to ``failed(item, exc)`` (``item`` is None for the
 tick), which decides: log and go on (the default: one bad message never stops the loop), or
@@ -80,6 +81,7 @@ class MessageLoop:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._owner: int | None = None           # the thread serving the loop (calls from it run at once)
+        self._tick_soon = False                  # the tick has work left: no waiting for quiet before the next
         self.bound = bound
         self._queued: dict[str, int] = {}        # source -> bytes queued from it (with a bound)
         self._queued_total = 0
@@ -159,6 +161,13 @@ class MessageLoop:
             self._thread.join(join_s)
 
     # ------------------------------------------------------------------ the loop's thread
+    def tick_soon(self) -> None:
+        """From ``tick``: tick again after the next item, or at once when none is queued, not after
+        ``tick_s`` of quiet: a tick that does long work in slices (the deployment controller's
+        re-delivery at start) has the items that arrive served between its slices and loses no
+        time when none do."""
+        self._tick_soon = True
+
     def start(self) -> "MessageLoop":
         """Serve on a thread of the loop's own until :meth:`stop`."""
         self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
@@ -173,8 +182,9 @@ class MessageLoop:
     def serve_one(self) -> None:
         """Handle the next item (waiting at most ``tick_s`` for one), then tick."""
         self._owner = threading.get_ident()
+        soon, self._tick_soon = self._tick_soon, False
         try:
-            item = self._q.get(timeout=self.tick_s)
+            item = self._q.get(timeout=0 if soon else self.tick_s)
         except queue.Empty:
             item = None
         if item is not None:

@@ -236,3 +236,30 @@ def test_a_flood_of_empty_messages_is_bounded_too():
 
     loop = MessageLoop(lambda item: None, bound=QueueBound(10 * O, 10 * O))     # not started: nothing is taken
     assert sum(loop.post(("t/in", b""), "t/in", 0) for _ in range(100)) == 10 and loop.dropped == 90
+
+
+def test_a_tick_with_work_left_is_called_again_without_waiting_for_quiet():
+    """``tick_soon``: a tick doing long work in slices (the deployment controller's re-delivery at
+    start) is called again at once, an item queued meanwhile served between two slices; once it
+    asks no more, ticks come after ``tick_s`` of quiet again."""
+    rec, slices = Recorder(), []
+
+    def tick(now: float) -> None:
+        if len(slices) < 20:
+            slices.append(time.monotonic())
+            if len(slices) == 10:
+                loop.post("between")
+            loop.tick_soon()
+
+    loop = MessageLoop(rec, tick, tick_s=2.0, name="t-soon")
+    t0 = time.monotonic()
+    loop.post("first")                  # the first tick: after it
+    loop.start()
+    try:
+        deadline = time.monotonic() + 3
+        while len(slices) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(slices) == 20 and slices[-1] - t0 < 1.0       # not 20 waits of 2 s
+        assert rec.seen == ["first", "between"]
+    finally:
+        loop.stop()
