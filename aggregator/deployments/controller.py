@@ -9,7 +9,8 @@ has its own topics, ``protocols/payloads/deployment.py``), with one active deplo
 * it answers head fetches (``artifact.get`` on a device's deploy outbox) with the head's bytes;
 * it stores each report, each assignment sent and each state change (``DeploymentStore``) before
   acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing (each
-  device's last assignment is published again as it was, the same sequence: a re-delivery);
+  device's last assignment is published again as it was, the same sequence: a re-delivery, in
+  slices between which commands and reports are served);
 * on a rollback it publishes a retained ``rollback`` to every device it had sent ``run``;
 * every assignment names its device and carries a sequence above any that device was sent before
   (``DeploymentStore.mark_sent``): devices refuse a lower one, so a replayed capture is refused. A
@@ -26,6 +27,7 @@ import hashlib
 import logging
 import time
 import zipfile
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,6 +52,9 @@ log = logging.getLogger("fedfleet.aggregator.deployments")
 MAX_DEVICE_MESSAGE_BYTES = 64 * 1024        # an artifact.get or a report: a few hundred bytes
 MEDIAN_WEIGHTS = 2                          # a device weighs at most this many median devices in pooled guards
 HEAD_RESEND_S = 5.0                         # a head is sent to a device at most twice per this (RepeatLimiter)
+# last assignments published again per slice of the start's re-delivery: ~0.1 s of signing and
+# publishing (bench/deployment_restart.py); in one go, 100,000 devices held the thread 14-18 s
+REDELIVERY_BATCH = 1000
 _ID = JOB_ID_RE          # a deployment's id follows a job id's rule (never "." or "..": unreachable in a path)
 
 
@@ -91,7 +96,8 @@ class DeploymentController(LinkWorker):
         # on any deployment as fast as it sends reports (a review's finding)
         self._counted = RepeatLimiter(HEAD_RESEND_S, answers=1)
         self._next_tick = 0.0
-        self._redelivered = False                # the last assignments published again at the first tick
+        # the last assignments still to publish again, (device, deployment, seq, message); None: not planned yet
+        self._redelivery: deque[tuple[str, str, int, Callable[[str, int], Any]]] | None = None
         self.active: Served | None = None        # in canary or widening
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
         self.last = self.table.last_assignments()   # device -> (deployment, seq) it was last sent
@@ -108,11 +114,13 @@ class DeploymentController(LinkWorker):
         self._on_payload(*item)
 
     def _tick(self, now: float) -> None:
-        if now >= self._next_tick:          # not once per message: a fleet's reports come in bursts
+        if self._redelivery is None:
+            self._redelivery = self._plan_redelivery()
+        if self._redelivery:                # the rollout follows it, as when it was one call
+            self._redeliver_some()
+            self.loop.tick_soon()
+        elif now >= self._next_tick:        # not once per message: a fleet's reports come in bursts
             self._next_tick = now + self.tick_s
-            if not self._redelivered:
-                self._redelivered = True
-                self._redeliver()
             self._flush_counts()
             self._roll_out(time.time())
 
@@ -319,8 +327,8 @@ class DeploymentController(LinkWorker):
         return lambda d, seq: D.run_message(AGGREGATOR_ID, dep.deployment_id, dep.model_sha256, len(served.head),
                                             dep.model_id, bundle, device=d, seq=seq)
 
-    def _redeliver(self) -> None:
-        """At start: each device's last assignment published again as it was (deployment, action,
+    def _plan_redelivery(self) -> deque[tuple[str, str, int, Callable[[str, int], Any]]]:
+        """At start: each device's last assignment, to publish again as it was (deployment, action,
         sequence: a device takes it as a re-delivery, as it takes the broker's retained copy at every
         reconnect), and a run of a deployment rolled back meanwhile followed by its rollback, as
         ``_apply`` sends it. An assignment is recorded before it is published, and a state before its
@@ -328,7 +336,9 @@ class DeploymentController(LinkWorker):
         its MQTT client, the broker unreachable) left a device told nothing, and with no settled
         version to follow a canary device ran the rolled-back candidate for good (a review's finding).
         A run of a halted deployment is not sent again (nothing more is), nor of an older complete
-        one (the settled version's run follows, ``_roll_out``)."""
+        one (the settled version's run follows, ``_roll_out``). The rollback is sent now, in one go
+        as the rollback it completes; the rest is returned for ``_redeliver_some``."""
+        pending: deque[tuple[str, str, int, Callable[[str, int], Any]]] = deque()
         by_deployment: dict[str, list[tuple[str, int]]] = {}
         for device, (deployment_id, seq) in sorted(self.last.items()):
             by_deployment.setdefault(deployment_id, []).append((device, seq))
@@ -341,14 +351,25 @@ class DeploymentController(LinkWorker):
             for device, seq in assigned:
                 message = rollback if sent[device]["sent"] == D.ROLLBACK else run
                 if message is not None:
-                    self.link.publish_envelope(self.topics.deploy(device), message(device, seq), signer=self.signer,
-                                               retain=True)
+                    pending.append((device, deployment_id, seq, message))
             if row["state"] == DeploymentState.ROLLED_BACK:
                 runs = [d for d, _ in assigned if sent[d]["sent"] == D.RUN]
                 if runs:
                     log.warning("deployment %s: its rollback not recorded for %d device(s): sent now", deployment_id,
                                 len(runs))
                     self._send(Served(Deployment.from_dict(row["spec"]), b"", sent), runs, D.ROLLBACK, rollback)
+        return pending
+
+    def _redeliver_some(self) -> None:
+        """The next REDELIVERY_BATCH of the start's re-delivery: one slice of the thread, so an
+        operator's command or a device's report waits for a slice, not for the whole fleet (14-18 s at
+        100,000 devices in one go). A device sent a newer assignment meanwhile (a rollback between
+        slices) is skipped: that one was published, and the older, retained, would replace it."""
+        for _ in range(min(REDELIVERY_BATCH, len(self._redelivery))):
+            device, deployment_id, seq, message = self._redelivery.popleft()
+            if self.last.get(device) == (deployment_id, seq):
+                self.link.publish_envelope(self.topics.deploy(device), message(device, seq), signer=self.signer,
+                                           retain=True)
 
     def _bundle_of(self, model_id: int) -> str:
         """The exported bundle whose features the model's head reads: its job's (``""``: the devices' own)."""
