@@ -37,6 +37,7 @@ QUICK = {
     "sim_process_start.py": ["--starts", "3"],
     "export_folding.py": [],
     "device_session_memory.py": ["--sessions", "2000"],
+    "deployment_restart.py": ["--devices", "2000"],
 }
 
 
