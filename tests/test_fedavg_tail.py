@@ -187,6 +187,41 @@ def test_trunk_activations_are_cached_and_match_the_backbone(bundle, fmnist, tmp
         np.testing.assert_allclose(first, torch.nn.Sequential(*list(backbone.features)[:-1])(x).numpy(), atol=1e-4)
 
 
+def test_cached_trunk_activations_belong_to_the_trunk_file_not_only_to_its_backbone_and_weights(bundle, fmnist,
+                                                                                                 tmp_path):
+    """A review's finding: the activations' cache key named the backbone, its weights digest, the image
+    size, the stages and the runtime, not the trunk program itself, so a bundle whose trunk was swapped
+    for another (same manifest otherwise) was served the first trunk's cached activations. Two bundles
+    differing only in their eager trunk file, one cache folder: each gets its own trunk's activations."""
+    import hashlib
+    import json
+    import shutil
+
+    from edge_client.runtime.eager_runtime import state_dict_from_bytes, state_dict_to_bytes
+
+    manifest = json.loads(bundle.read_bytes())
+    trunk_entry = next(a for a in manifest["artifacts"] if a["kind"] == "trunk" and a["runtime"] == "eager")
+    original, swapped = tmp_path / "original", tmp_path / "swapped"
+    for folder in (original, swapped):
+        folder.mkdir()
+        shutil.copy(bundle.parent / trunk_entry["file"], folder)
+    shutil.copy(bundle, original / "manifest.json")
+    state = state_dict_from_bytes((bundle.parent / trunk_entry["file"]).read_bytes())
+    first_weight = next(name for name in state if name.endswith("weight"))
+    state[first_weight] = state[first_weight] * 2                  # another trunk, same names and shapes
+    data = state_dict_to_bytes(state)
+    (swapped / trunk_entry["file"]).write_bytes(data)
+    trunk_entry.update(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+    (swapped / "manifest.json").write_text(json.dumps(manifest))
+
+    images, cache = fmnist[0][:6], str(tmp_path / "cache")
+    from_original = TrunkActivations(original / "manifest.json", cache, prefer=("eager",)).extract(images)
+    from_swapped = TrunkActivations(swapped / "manifest.json", cache, prefer=("eager",)).extract(images)
+    uncached = TrunkActivations(swapped / "manifest.json", None, prefer=("eager",)).extract(images)
+    assert not np.allclose(uncached, from_original, atol=1e-3)      # the swap does change the activations
+    np.testing.assert_array_equal(from_swapped, uncached)
+
+
 # ---------------------------------------------------------------- the aggregator
 def _job(bundle, train="tail+head", **extra):
     cfg = dict(job_id="ft-tail", num_classes=C, feature_dim=1280, rounds=2, clients_per_round=3, local_epochs=1,

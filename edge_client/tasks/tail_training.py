@@ -51,12 +51,17 @@ class TrunkActivations:
         self.manifest = m
         self.shape = tuple(m.tail.activation_shape)
         self.feature_dim = math.prod(self.shape)            # one flattened row
-        # The extractor's batching, checks and disk cache, on flattened activation rows.
+        # The extractor's batching, checks and disk cache, on flattened activation rows. Cached
+        # activations belong to this very trunk program (its file's sha256, as the verified manifest
+        # gives it): another trunk under the same backbone, weights and stages (a re-export, a
+        # replaced bundle) must never be served this one's (a review's finding)
+        trunk_sha256 = m.find("trunk", program.runtime).sha256
         self._extractor = FeatureExtractor(
             lambda batch: program.run(batch).reshape(len(batch), -1), image_size=m.input.image_size,
             mean=m.input.mean, std=m.input.std, batch_size=32, cache_dir=cache_dir,
             feature_dim=self.feature_dim,
-            cache_key=f"{m.backbone}:{m.weights_sha256}:{m.input.image_size}:trunk{m.tail.stages}:{program.runtime}")
+            cache_key=f"{m.backbone}:{m.weights_sha256}:{m.input.image_size}:trunk{m.tail.stages}:{program.runtime}"
+                      f":{trunk_sha256}")
 
     def extract(self, images: np.ndarray) -> np.ndarray:
         return self._extractor.extract(images).reshape(-1, *self.shape)
