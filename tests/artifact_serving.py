@@ -1,7 +1,9 @@
 """What the bundle distribution tests (tests/test_artifact_*.py) share: a private copy of the exported
 bundle (a test tampers with its files), an idle aggregator serving a shelf of artifacts over
-mosquitto, and a valid one-file manifest that a test's own aggregator (or forger) serves."""
+mosquitto, a valid one-file manifest that a test's own aggregator (or forger) serves, and such a
+stand-in aggregator answering a device's asks from a table of files."""
 
+import contextlib
 import shutil
 import threading
 
@@ -41,3 +43,30 @@ def one_file_manifest(bundle, name: str, data: bytes) -> bytes:
     manifest["artifacts"] = [{**entry, "file": name, "sha256": hashlib.sha256(data).hexdigest(),
                               "size_bytes": len(data)}]
     return json.dumps(manifest).encode()
+
+
+@contextlib.contextmanager
+def answering(broker, device_id: str, served: dict, asked: list):
+    """A stand-in aggregator on ``broker`` while in the block: it answers ``device_id``'s asks for the
+    files in ``served`` (sha256 -> (file name, bytes)) and notes each sha256 asked for in ``asked``."""
+    from protocols.envelope import decode, encode
+    from protocols.mqtt_link import MqttLink
+    from protocols.payloads.artifacts import GET, artifact_message
+    from protocols.topics import AGGREGATOR_ID, Topics
+
+    topics = Topics()
+
+    def answer(payload: bytes) -> None:
+        ask = decode(payload)
+        if ask.type == GET and ask.body["sha256"] in served:
+            asked.append(ask.body["sha256"])
+            link.publish(topics.inbox(device_id), encode(artifact_message(AGGREGATOR_ID, ask.body["sha256"],
+                                                                          *served[ask.body["sha256"]])))
+
+    link = MqttLink("aggregator", BrokerConfig.from_url(broker.url), on_message=lambda t, p: answer(p),
+                    subscriptions=[(topics.outbox(device_id), 1)])
+    link.start(timeout=30)
+    try:
+        yield
+    finally:
+        link.stop()

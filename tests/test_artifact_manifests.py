@@ -8,11 +8,9 @@ import pytest
 
 from aggregator.service.artifacts import ArtifactShelf
 from edge_client.artifacts import ArtifactFetchError, fetch_bundle
-from protocols.envelope import decode, encode
 from protocols.mqtt_link import BrokerConfig
-from protocols.topics import Topics
 
-from artifact_serving import one_file_manifest
+from artifact_serving import answering, one_file_manifest
 from artifact_serving import bundle  # noqa: F401 (fixture)
 
 
@@ -42,11 +40,7 @@ def test_a_manifest_that_is_not_one_or_lists_more_than_a_fetch_takes_is_refused_
     import hashlib
     import json
 
-    from protocols.mqtt_link import MqttLink
-    from protocols.payloads.artifacts import GET, artifact_message
-    from protocols.topics import AGGREGATOR_ID
-
-    topics, cfg = Topics(), BrokerConfig.from_url(broker.url)
+    cfg = BrokerConfig.from_url(broker.url)
     program = b"a program of 24 bytes..."
     served = {hashlib.sha256(program).hexdigest(): ("head.pte", program)}
     asked = []
@@ -56,13 +50,6 @@ def test_a_manifest_that_is_not_one_or_lists_more_than_a_fetch_takes_is_refused_
         served[sha] = ("manifest.json", manifest)
         return sha
 
-    def answer(payload: bytes) -> None:
-        ask = decode(payload)
-        if ask.type == GET and ask.body["sha256"] in served:
-            asked.append(ask.body["sha256"])
-            link.publish(topics.inbox("cam1"), encode(artifact_message(AGGREGATOR_ID, ask.body["sha256"],
-                                                                       *served[ask.body["sha256"]])))
-
     good = one_file_manifest(bundle, "head.pte", program)
     as_manifest = one_file_manifest(bundle, "manifest.json", program)
     escaping = json.loads(good)
@@ -71,9 +58,7 @@ def test_a_manifest_that_is_not_one_or_lists_more_than_a_fetch_takes_is_refused_
              (json.dumps(escaping).encode(), "does not follow the schema at artifacts/0/file"),
              (as_manifest, "lists file 'manifest.json' twice \\(or as the manifest\\)"),
              (b"[1, 2", "is not valid JSON")]
-    link = MqttLink("aggregator", cfg, on_message=lambda t, p: answer(p), subscriptions=[(topics.outbox("cam1"), 1)])
-    link.start(timeout=30)
-    try:
+    with answering(broker, "cam1", served, asked):
         for i, (manifest, reason) in enumerate(cases):
             sha = serve_manifest(manifest)
             with pytest.raises(ArtifactFetchError, match=f"bundle {sha[:16]}…: .*{reason}"):
@@ -88,5 +73,3 @@ def test_a_manifest_that_is_not_one_or_lists_more_than_a_fetch_takes_is_refused_
         got = fetch_bundle("cam1", cfg, sha, tmp_path / "good", timeout_s=30, max_bundle_bytes=len(program))
         assert got.read_bytes() == good and (got.parent / "head.pte").read_bytes() == program
         assert sorted(p.name for p in got.parent.iterdir()) == ["head.pte", "manifest.json"]
-    finally:
-        link.stop()

@@ -162,3 +162,37 @@ def test_an_entry_it_cannot_remove_is_skipped_and_the_device_goes_on(tmp_path, m
     monkeypatch.setattr(disk_budget, "_remove", refuse)
     assert DiskBudget(tmp_path, 100, "features-*.npy").trim() == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["features-a.npy", "features-b.npy"]
+
+
+def test_a_bundle_larger_than_the_disk_budget_is_refused_before_any_file_is_fetched(broker, tmp_path,
+                                                                                     onnx_bundle_32px):
+    """A review's finding: ``--bundle-disk-mb`` only trimmed the folder after a fetch, so one fetch
+    wrote a bundle of up to 2 GiB whatever the budget. ``fedfleet device --bundle-sha`` naming a bundle
+    whose manifest lists more than the whole budget now stops at once with one line saying so: only
+    the manifest was asked for, and nothing is written under --bundle-dir."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from artifact_serving import answering, one_file_manifest
+    from test_data_readers import write_idx
+
+    budget = 2**20                                            # --bundle-disk-mb 1
+    program = bytes(budget + 1)
+    manifest = one_file_manifest(onnx_bundle_32px, "inference.onnx", program)
+    sha = hashlib.sha256(manifest).hexdigest()
+    served = {sha: ("manifest.json", manifest), hashlib.sha256(program).hexdigest(): ("inference.onnx", program)}
+    images = write_idx(tmp_path / "images.idx", np.zeros((10, 28, 28), np.uint8))
+    labels = write_idx(tmp_path / "labels.idx", np.arange(10, dtype=np.uint8))
+    asked: list[str] = []
+    with answering(broker, "cam1", served, asked):
+        device = subprocess.run([sys.executable, "-m", "fedfleet.cli", "device", "--id", "cam1", "--broker", broker.url,
+                                 "--idx", str(images), str(labels), "--runtime", "onnxruntime", "--threads", "1",
+                                 "--bundle-sha", sha, "--bundle-dir", str(tmp_path / "bundles"),
+                                 "--bundle-disk-mb", "1"], capture_output=True, text=True, timeout=120)
+    assert device.returncode == 2 and "Traceback" not in device.stderr, device.stderr[-2000:]
+    assert device.stderr.strip().splitlines() == [
+        f"fedfleet device: error: --bundle-sha: bundle {sha[:16]}… lists {budget + 1} bytes of files, more than "
+        f"the {budget} this device takes for a bundle"], device.stderr[-2000:]
+    assert asked == [sha]                                     # the manifest only
+    assert not [p for p in (tmp_path / "bundles").rglob("*") if not p.is_dir()]
