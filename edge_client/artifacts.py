@@ -21,7 +21,8 @@ files, each a plain name listed once and never ``manifest.json``) before any fil
 the files together may hold no more than ``max_bundle_bytes`` (2 GiB unless told less; a bundle
 is tens of MB): a manifest that is not one, or names more than that, is one clear refusal before
 anything is fetched. Each file is written as it arrives and the manifest last, so a fetch cut
-short leaves no bundle that loads and never holds more than one file in memory.
+short leaves no bundle that loads and never holds more than one file in memory. A file already in
+``dest`` is replaced, and so is a folder under a file's name (a rename alone cannot replace it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import queue
 import time
 from pathlib import Path
 
+from edge_client.disk_budget import remove_entry
 from edge_client.inbox import aggregator_inbox
 from edge_client.work_deadline import seconds_left
 from protocols.bundle_manifest import MANIFEST_FILENAME, MAX_MANIFEST_BYTES, ManifestError, parse_manifest
@@ -100,6 +102,14 @@ def _hint(reason: str) -> str:
     return ""
 
 
+def _no_folder_at(path: Path) -> None:
+    """Remove a folder standing where a bundle's file goes, as a stale file there is replaced: a rename
+    cannot replace a folder (a review's finding: each fetch of that bundle failed, IsADirectoryError,
+    after fetching it whole, until someone removed the folder). OSError when it cannot go whole."""
+    if path.is_dir() and not path.is_symlink():
+        remove_entry(path)
+
+
 def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, dest: Path,
                  topics: Topics = Topics(), timeout_s: float = FETCH_TIMEOUT_S, retry_s: float = 5.0,
                  signer=None, client_id: str | None = None, verifier=None,
@@ -166,6 +176,8 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
             raise ArtifactFetchError(f"bundle {manifest_sha256[:16]}… lists {total} bytes of files, more than "
                                      f"the {max_bundle_bytes} this device takes for a bundle")
         dest.mkdir(parents=True, exist_ok=True)
+        for name in [spec.file for spec in manifest.artifacts] + [MANIFEST_FILENAME]:
+            _no_folder_at(dest / name)          # before anything is fetched: a removal that fails costs no fetch
         for spec in manifest.artifacts:
             fname, data = fetch(spec.sha256, spec.size_bytes)
             if fname != spec.file:

@@ -53,7 +53,7 @@ class DiskBudget:
             if path in keep:
                 continue
             try:
-                _remove(path)
+                remove_entry(path)
             except OSError as exc:          # a device goes on with a fuller disk, never stops for it
                 log.warning("%s: cannot remove %s: %s", self.root, path.name, exc)
                 total -= size - _size_left(path)      # what did go counts as freed
@@ -95,7 +95,7 @@ def _size_left(path: Path) -> int:
         return 0
 
 
-def _remove(path: Path) -> None:
+def remove_entry(path: Path) -> None:
     """Remove an entry whole, or raise OSError: a folder rmtree left part of (a file it could not
     remove) still holds bytes, and counted as removed it let the folder stay over its budget."""
     if path.is_dir() and not path.is_symlink():

@@ -116,10 +116,16 @@ def _read_member_array(member: zipfile.ZipInfo, stream) -> np.ndarray:
 
 def file_sha256(path: str | Path) -> str:
     """The hex sha256 of a file, read in 1 MiB blocks (bundles can be larger than memory allows)."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_BLOCK), b""):
-            digest.update(block)
+        return stream_sha256(f)
+
+
+def stream_sha256(stream) -> str:
+    """The hex sha256 of what is left to read in a binary stream (a file its reader opened and
+    checked), read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    for block in iter(lambda: stream.read(_BLOCK), b""):
+        digest.update(block)
     return digest.hexdigest()
 
 

@@ -18,7 +18,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.artifacts import ArtifactDigestMismatch, artifact_message, parse_artifact
 from protocols.topics import Topics
 
-from artifact_serving import serve
+from artifact_serving import answering, one_file_manifest, serve
 from artifact_serving import bundle  # noqa: F401 (fixture)
 
 
@@ -72,6 +72,26 @@ def test_fetched_bundle_runs_like_the_original_and_tampering_is_refused(broker, 
     finally:
         svc.stop()
         t.join(10)
+
+
+def test_a_folder_where_a_fetched_file_goes_is_replaced_as_a_stale_file_is(broker, tmp_path, bundle):
+    """A review's finding: a folder under the name of a bundle's file in the device's bundle folder
+    (its size matching the manifest's or not) failed each fetch of the bundle with IsADirectoryError,
+    after the whole bundle had come in, until someone removed it (a rename cannot replace a folder).
+    A stale file there is replaced by the fetch; so is such a folder, the manifest's name included."""
+    program = b"a program of 24 bytes..."
+    manifest = one_file_manifest(bundle, "head.pte", program)
+    sha = hashlib.sha256(manifest).hexdigest()
+    served = {sha: ("manifest.json", manifest), hashlib.sha256(program).hexdigest(): ("head.pte", program)}
+    dest = tmp_path / "device-bundle"
+    (dest / "head.pte" / "inside").mkdir(parents=True)
+    (dest / "head.pte" / "inside" / "left.bin").write_bytes(b"x" * 24)
+    (dest / "manifest.json").mkdir()
+    with answering(broker, "cam1", served, asked := []):
+        got = fetch_bundle("cam1", BrokerConfig.from_url(broker.url), sha, dest, timeout_s=30)
+    assert got == dest / "manifest.json" and got.read_bytes() == manifest and asked == list(served)
+    assert (dest / "head.pte").read_bytes() == program
+    assert sorted(p.name for p in dest.iterdir()) == ["head.pte", "manifest.json"]
 
 
 def test_a_flood_of_asks_for_a_file_is_answered_a_few_times(broker, tmp_path, bundle):

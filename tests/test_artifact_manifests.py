@@ -1,6 +1,7 @@
 """Bundle manifests that must not be served or followed: one misstating a file's size is refused when
 the shelf indexes it; one that is not a manifest, names a file outside the bundle or the manifest
-itself, or lists more than the fetch takes is refused before any file is asked for."""
+itself, or lists more than the fetch takes is refused before any file is asked for; a bundle whose listed
+file is a folder is refused when indexed."""
 
 import shutil
 
@@ -27,6 +28,24 @@ def test_a_bundle_whose_manifest_misstates_a_files_size_is_refused_when_indexed(
     with pytest.raises(ValueError, match=f"its manifest says {manifest['artifacts'][0]['size_bytes']}"):
         ArtifactShelf().add_bundle(copy)
     ArtifactShelf().add_bundle(bundle)                          # the bundle as exported is indexed
+
+
+def test_a_bundle_listing_a_folder_as_a_file_is_refused_when_indexed_even_at_the_listed_size(tmp_path, bundle):
+    """A review's finding: the shelf compared the size on disk with the manifest's, then hashed the path,
+    so a folder in a file's place whose size (a folder's, 4 KiB here) matched escaped as an
+    IsADirectoryError. It is refused as any file that is not the one listed is: one ValueError."""
+    import json
+
+    copy = tmp_path / "folder"
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    listed = copy / manifest["artifacts"][0]["file"]
+    listed.unlink()
+    listed.mkdir()
+    manifest["artifacts"][0]["size_bytes"] = listed.stat().st_size
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=f"{listed}: not a regular file"):
+        ArtifactShelf().add_bundle(copy)
 
 
 def test_a_manifest_that_is_not_one_or_lists_more_than_a_fetch_takes_is_refused_before_any_file(

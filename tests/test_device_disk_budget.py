@@ -159,7 +159,7 @@ def test_an_entry_it_cannot_remove_is_skipped_and_the_device_goes_on(tmp_path, m
 
     def refuse(path):
         raise PermissionError(13, "read-only", str(path))
-    monkeypatch.setattr(disk_budget, "_remove", refuse)
+    monkeypatch.setattr(disk_budget, "remove_entry", refuse)
     assert DiskBudget(tmp_path, 100, "features-*.npy").trim() == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["features-a.npy", "features-b.npy"]
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 from protocols.bundle_manifest import MANIFEST_FILENAME, parse_manifest, read_manifest_bytes
 from protocols.envelope import Envelope, EnvelopeError
-from protocols.files import file_sha256
+from protocols.files import stream_sha256
 from protocols.payloads.artifacts import artifact_message, missing_message, parse_get
-from protocols.regular_file import read_regular_file
+from protocols.regular_file import open_regular, read_regular_file
 from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.registry import config_fields
@@ -49,12 +50,19 @@ class ArtifactShelf:
             path = bundle_dir / spec.file
             if path.resolve().parent != bundle_dir.resolve():
                 raise ValueError(f"manifest lists a file outside its bundle: {spec.file!r}")
-            size = path.stat().st_size
-            if size > MAX_ARTIFACT_BYTES:
-                raise ValueError(f"{path} is larger than {MAX_ARTIFACT_BYTES} bytes")
-            if size != spec.size_bytes:     # devices hold no reply past the size the manifest gives
-                raise ValueError(f"{path} is {size} bytes, its manifest says {spec.size_bytes}")
-            if file_sha256(path) != spec.sha256:
+            try:        # a regular file only, its size and digest those of the file opened (a folder
+                # whose size matched the manifest's escaped as IsADirectoryError: a review's finding)
+                with open_regular(path) as handle:
+                    size = os.fstat(handle.fileno()).st_size
+                    if size > MAX_ARTIFACT_BYTES:
+                        raise ValueError(f"{path} is larger than {MAX_ARTIFACT_BYTES} bytes")
+                    if size != spec.size_bytes:     # devices hold no reply past the size the manifest gives
+                        raise ValueError(f"{path} is {size} bytes, its manifest says {spec.size_bytes}")
+                    digest = stream_sha256(handle)
+            except OSError as exc:
+                raise ValueError(f"{path}: {exc.strerror} (its manifest lists a regular file of {spec.size_bytes} "
+                                 "bytes)") from None
+            if digest != spec.sha256:
                 raise ValueError(f"{path}: sha256 differs from the manifest's (tampered or stale bundle)")
             self._files[spec.sha256] = (path, size)
         digest = hashlib.sha256(raw).hexdigest()
