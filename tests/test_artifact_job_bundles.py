@@ -24,7 +24,8 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
     """`fedfleet device` started without a bundle: the job's tasks name one (bundle_sha256), the
     device fetches it from the aggregator, verifies it and computes its statistics with it. Its
     disk budgets hold: an old bundle and an old feature file, beyond them, are gone; the bundle
-    in use and the features just computed stay (edge_client/disk_budget.py)."""
+    in use and the features just computed stay (edge_client/disk_budget.py). The bundle budget has
+    room for the bundle (one larger than the whole budget is not fetched), not for it and the old one."""
     import struct
     import subprocess
     import sys
@@ -43,6 +44,7 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
                                                 + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.tobytes())
     shelf = ArtifactShelf()
     manifest_sha = shelf.add_bundle(bundle)
+    bundle_mb = sum(p.stat().st_size for p in bundle.iterdir()) / 2**20 + 1       # the bundle's room, and 1 MB
     stale_bundle = tmp_path / "fetched" / ("ab" * 8) / "model.onnx"       # a bundle of an earlier job
     stale_features = tmp_path / "cache" / "features-old.npy"
     for stale in (stale_bundle, stale_features):
@@ -59,7 +61,7 @@ def test_a_job_names_its_bundle_and_the_device_fetches_it_on_demand(broker, tmp_
     device = subprocess.Popen([sys.executable, "-m", "fedfleet.cli", "device", "--id", "cam9", "--broker", broker.url,
                                "--idx", str(tmp_path / "images.idx"), str(tmp_path / "labels.idx"),
                                "--runtime", "onnxruntime", "--threads", "1", "--bundle-dir", str(tmp_path / "fetched"),
-                               "--bundle-disk-mb", "1", "--cache-dir", str(tmp_path / "cache"),
+                               "--bundle-disk-mb", str(bundle_mb), "--cache-dir", str(tmp_path / "cache"),
                                "--feature-cache-mb", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
