@@ -106,19 +106,26 @@ def test_fp_of_the_tail_is_declined_without_a_tail_bundle_or_with_a_bad_part(tai
         job("everything")
 
 
-def test_fp_of_the_tail_counts_every_cross_validation_fit_against_the_step_budget(tail_bundle, monkeypatch):
+@pytest.mark.parametrize("folds, rates, epochs", [(20, 16, 10_000), (20, 2, 1_080)])
+def test_fp_of_the_tail_counts_every_cross_validation_fit_against_the_step_budget(tail_bundle, monkeypatch, folds,
+                                                                                   rates, epochs):
     """FP(φ)'s cross-validation fits the tail once per fold and rate, each fit within the step budget
     alone: 20 folds x 16 rates of 10,000 epochs in batches of 1 over 24 rows (about 230,000 steps a fit)
     is 72 million steps through the tail program, hours of a phone's only task thread from one signed
-    task. Declined before any fit, with the count (FP(ψ) counts every head: numpy_head.within_lockstep_work)."""
+    task. The chosen rate's fit on all rows follows, and counts too: 20 folds x 2 rates of 1,080 epochs
+    are 984,960 steps, within the budget, and with the last fit's 25,920 past it. Declined before any
+    fit, with the count (FP(ψ) counts alike: numpy_head.within_cross_validation_step_budget)."""
     task = device(tail_bundle)
     params, tensors = job("phi").task_for("dev0")
-    rows, folds, rates, epochs = len(task.train_labels), 20, 16, 10_000
+    rows = len(task.train_labels)
     fits = [rows - len(part) for part in np.array_split(np.arange(rows), folds)]
     per_fit = [epochs * fit for fit in fits]                     # batches of 1
-    assert max(per_fit) <= MAX_LOCAL_STEPS < rates * sum(per_fit)       # each alone within, together past
+    total = rates * sum(per_fit) + epochs * rows                # and the chosen rate's fit on all rows
+    assert max(per_fit) <= MAX_LOCAL_STEPS < total               # each alone within, together past
+    if rates == 2:
+        assert rates * sum(per_fit) <= MAX_LOCAL_STEPS           # the folds' fits alone within, too
     monkeypatch.setattr(TailFineTuning, "fit", lambda *a: pytest.fail("a tail fit started"))
     hostile = {**params, "fp_epochs": epochs, "batch_size": 1, "fp_folds": folds,
                "fp_lrs": [1e-4 * (i + 1) for i in range(rates)]}
-    with pytest.raises(TaskDeclined, match=f"{rates * sum(per_fit)} SGD steps"):
+    with pytest.raises(TaskDeclined, match=f" is {total} SGD steps"):
         task(hostile, tensors)

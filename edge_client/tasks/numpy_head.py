@@ -132,19 +132,29 @@ def within_step_budget(rows: int, epochs: int, batch_size: int, per_row: int = 0
         raise TaskDeclined(str(exc)) from exc
 
 
-def within_fits_step_budget(row_sets: list[np.ndarray], recipe, rates: int) -> None:
-    """Decline past the step budget counting every fit: each row set trained once per learning rate
-    (FP(φ)/FP(M)'s cross-validation through the tail program, whose 20 folds x 16 rates were each
-    checked alone: 320 budgets from one task, a review's finding; FP(ψ)'s heads are counted alike by
-    :func:`within_lockstep_work`)."""
+def within_passes_step_budget(passes: list[tuple[int, int, int]], what: str) -> None:
+    """Decline, before any training and with the count, a task whose training passes ask more SGD
+    steps together than a device takes (``MAX_LOCAL_STEPS``). ``passes``: each pass's (rows, epochs,
+    batch_size), a pass run once per learning rate listed that often; ``what``: the passes in words.
+    Every pass was checked alone as it started, so one task of several passes asked several budgets
+    (review findings: FP(φ)/FP(M)'s cross-validation, 20 folds x 16 rates, 320 of them; Ditto's and
+    FedAlt's two passes, 2). A pass past the budget alone is declined with its own count, as before."""
     try:
-        steps = rates * sum(check_local_steps(len(rows), recipe.epochs, recipe.batch_size) for rows in row_sets)
+        steps = sum(check_local_steps(rows, epochs, batch_size) for rows, epochs, batch_size in passes)
     except TooManySteps as exc:
         raise TaskDeclined(str(exc)) from exc
     if steps > MAX_LOCAL_STEPS:
-        raise TaskDeclined(f"cross-validation of {rates} learning rates over {len(row_sets)} folds of {recipe.epochs} "
-                           f"epochs in batches of {recipe.batch_size} is {steps} SGD steps, more than a device takes "
-                           f"({MAX_LOCAL_STEPS})")
+        raise TaskDeclined(f"{what} is {steps} SGD steps, more than a device takes ({MAX_LOCAL_STEPS})")
+
+
+def within_cross_validation_step_budget(fits: list[np.ndarray], rows: int, recipe, rates: int) -> None:
+    """FP's learning-rate choice counted as one task: each fold's fit once per candidate rate, then
+    the chosen rate's fit on all ``rows`` (FP(ψ)'s heads and FP(φ)/FP(M)'s tail program alike)."""
+    epochs, batch_size = recipe.epochs, recipe.batch_size
+    within_passes_step_budget(
+        [(len(fit), epochs, batch_size) for fit in fits] * rates + [(rows, epochs, batch_size)],
+        f"cross-validation of {rates} learning rates over {len(fits)} folds, then the chosen rate's fit on all "
+        f"{rows} samples, {epochs} epochs each in batches of {batch_size},")
 
 
 # The most bytes one lockstep step of train_heads_together may hold: each head's logits over its batch

@@ -23,12 +23,22 @@ public final class FpLearningRate {
         if (folds < 2) throw new IllegalArgumentException("folds must be an integer >= 2, got " + folds);
         int n = labels.length;
         if (candidates.length == 1 || n < folds) return new FpLearningRate(candidates[0], new double[0]);
-        // every head counts (folds x candidates, each fit on the other folds' rows): as the Python
-        // device's train_heads_together, before any is trained
-        recipe.checkWork((folds - 1) * n, (long) candidates.length * head.k() * (head.dim + 1));
-        int[] order = NumpyGenerator.fromSeed(recipe.seed).permutation(n);
         int[] starts = new int[folds + 1];                 // np.array_split: the first n % folds parts one longer
         for (int p = 0; p < folds; p++) starts[p + 1] = starts[p] + n / folds + (p < n % folds ? 1 : 0);
+        // every head counts (folds x candidates, each fit on the other folds' rows), its steps with the
+        // chosen rate's fit on all rows after (PersonalizeTask's): as the Python device's
+        // within_cross_validation_step_budget and train_heads_together, before any is trained
+        long[] steps = new long[folds * candidates.length + 1];
+        for (int i = 0; i < folds * candidates.length; i++) {
+            int p = i % folds;
+            steps[i] = recipe.steps(n - (starts[p + 1] - starts[p]));
+        }
+        steps[steps.length - 1] = recipe.steps(n);
+        LocalTraining.checkPasses("cross-validation of " + candidates.length + " learning rates over " + folds
+                + " folds, then the chosen rate's fit on all " + n + " samples, " + recipe.epochs
+                + " epochs each in batches of " + recipe.batchSize + ",", steps);
+        recipe.checkWork((folds - 1) * n, (long) candidates.length * head.k() * (head.dim + 1));
+        int[] order = NumpyGenerator.fromSeed(recipe.seed).permutation(n);
         int[] local = new int[n];
         for (int i = 0; i < n; i++) local[i] = head.toLocal(labels[i]);
         double[] scores = new double[candidates.length];

@@ -84,16 +84,35 @@ public final class LocalTraining {
                 + " multiply-adds, more than a device takes (1e+13)");
     }
 
+    /** The SGD steps of this recipe over `rows` rows, epochs x ceil(rows / batch_size) (check_local_steps);
+     *  IllegalArgumentException past MAX_LOCAL_STEPS. */
+    public long steps(int rows) {
+        long steps = batchSize > 0 ? (long) epochs * ((rows + (long) batchSize - 1) / batchSize) : 0;
+        if (steps > MAX_LOCAL_STEPS)
+            throw new IllegalArgumentException("local training of " + epochs + " epochs over " + rows + " samples in "
+                + "batches of " + batchSize + " is " + steps + " SGD steps, more than a device takes (" + MAX_LOCAL_STEPS + ")");
+        return steps;
+    }
+
+    /** A task's training passes counted as one task (numpy_head.py within_passes_step_budget): each
+     *  pass's steps (from steps(rows): a pass past the budget alone has its own message) summed, and
+     *  IllegalArgumentException "`what` is S SGD steps, ..." past MAX_LOCAL_STEPS. Each pass was checked
+     *  alone as it started, so a task of several passes asked several budgets (Ditto's and FedAlt's two,
+     *  FP(psi)'s folds x rates fits and its chosen rate's). */
+    public static void checkPasses(String what, long... passSteps) {
+        long steps = 0;
+        for (long s : passSteps) steps += s;
+        if (steps > MAX_LOCAL_STEPS)
+            throw new IllegalArgumentException(what + " is " + steps + " SGD steps, more than a device takes ("
+                + MAX_LOCAL_STEPS + ")");
+    }
+
     /** The row positions of each SGD step (protocols/payloads/fedavg.py batch_schedule);
      *  IllegalArgumentException past MAX_LOCAL_STEPS steps. The schedule's steps are drawn as they
      *  are taken: one epoch's permutation is held at a time (a list of every step held epochs x
      *  rows positions, within the step budget too). */
     public Schedule batchSchedule(int rows) {
-        long steps = batchSize > 0 ? (long) epochs * ((rows + (long) batchSize - 1) / batchSize) : 0;
-        if (steps > MAX_LOCAL_STEPS)
-            throw new IllegalArgumentException("local training of " + epochs + " epochs over " + rows + " samples in "
-                + "batches of " + batchSize + " is " + steps + " SGD steps, more than a device takes (" + MAX_LOCAL_STEPS + ")");
-        return new Schedule(rows, (int) steps);
+        return new Schedule(rows, (int) steps(rows));
     }
 
     /** A batch schedule: size() steps, each a batch's row positions, in order. Taking a step

@@ -43,8 +43,13 @@ public final class PartialTask extends StatefulHeadTask {
             HeadTrainer.Trained both = pass(t, p.sgd(p.head.recipe.epochs, seed), u, v, true, true);
             u = both.weight; v = both.bias;
         } else {
-            if (p.personalEpochs > 0) v = pass(t, p.sgd(p.personalEpochs, seed), u, v, false, true).bias;
-            u = pass(t, p.sgd(p.head.recipe.epochs, seed.add(BigInteger.ONE).mod(BigInteger.ONE.shiftLeft(32))), u, v, true, false).weight;
+            LocalTraining personal = p.sgd(p.personalEpochs, seed),
+                    shared = p.sgd(p.head.recipe.epochs, seed.add(BigInteger.ONE).mod(BigInteger.ONE.shiftLeft(32)));
+            withinStepBudget(t, "FedAlt's personal pass of " + personal.epochs + " epochs and shared pass of "
+                    + shared.epochs + " epochs over " + t.labels.length + " samples in batches of " + shared.batchSize,
+                    personal, shared);
+            if (p.personalEpochs > 0) v = pass(t, personal, u, v, false, true).bias;
+            u = pass(t, shared, u, v, true, false).weight;
         }
         Map<String, float[]> now = new LinkedHashMap<>();
         now.put("bias", v);

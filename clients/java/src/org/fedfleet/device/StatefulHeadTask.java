@@ -213,6 +213,18 @@ public abstract class StatefulHeadTask implements TaskHandler {
         body.put("restarted", restarted);
     }
 
+    /** Declined, before any pass trains, when the task's passes over its rows ask more SGD steps
+     *  together than a device takes (LocalTraining.checkPasses; edge_client's within_passes_step_budget). */
+    static void withinStepBudget(Read t, String what, LocalTraining... passes) throws TaskDeclined {
+        try {
+            long[] steps = new long[passes.length];
+            for (int i = 0; i < passes.length; i++) steps[i] = passes[i].steps(t.labels.length);
+            LocalTraining.checkPasses(what, steps);
+        } catch (IllegalArgumentException e) {
+            throw new TaskDeclined(e.getMessage());
+        }
+    }
+
     /** HeadTrainer's training, an ArithmeticException (diverged) or bad input declining the task. */
     static HeadTrainer.Trained train(HeadTrainer trainer, float[] weight, float[] bias, Read t, LocalTraining recipe) throws TaskDeclined {
         try {
