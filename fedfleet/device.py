@@ -7,6 +7,7 @@ import collections
 import signal
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,20 +127,56 @@ def apply_credentials(args) -> None:
 def run_device(args) -> int:
     # The device path uses edge_client only (its handlers: edge_client.handlers, the same builder
     # the emulated fleet uses); nothing from aggregator or fedfleet.emulation.
-    import numpy as np
-
-    from edge_client.agent import DeviceAgent
-    from edge_client.data.split import train_holdout_split
     from edge_client.disk_budget import DiskBudget
-    from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, Unsupported, device_handlers, \
-        secure_only, torch_free
-    from protocols.mqtt_link import BrokerConfig
-    from protocols.topics import Topics
+    from edge_client.handlers import Unsupported
+
+    from .device_state_path import remove_made
 
     if args.forget_state:
         return forget_state(args)
     _check_device_arguments(args)
-    state_folder(args, create=True)
+    made_folders = state_folder(args, create=True)
+    # a start that fails (data it cannot load: a bad --idx path or file; a bundle, identity or broker
+    # refused) takes back the state folder it made while still empty: it left one behind (a review's finding)
+    try:
+        device = _start_device(args)
+    except BaseException:
+        remove_made(made_folders)
+        raise
+    print(f"device {args.id}: {len(device.train_idx)} training / {len(device.holdout_idx)} held-out samples, tasks "
+          f"{sorted(k for k, h in device.handlers.items() if not isinstance(h, Unsupported))}"
+          f"{sorted(k for k in device.protocol_handlers if '.' in k)}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    feature_cache = DiskBudget(Path(args.cache_dir), _megabytes(args.feature_cache_mb), "features-*.npy") \
+        if args.cache_dir else None
+    while True:         # from the start, then every DISK_CHECK_S: the cache grows with every task
+        device.extractors.trim()       # (bundles are also trimmed at each fetch)
+        if feature_cache is not None:
+            feature_cache.trim()
+        if stop.wait(DISK_CHECK_S):
+            break
+    device.agent.stop()
+    if device.follower is not None:
+        device.follower.stop()
+    return 0
+
+
+def _start_device(args) -> SimpleNamespace:
+    """The device's data, bundles, handlers, agent and deployment follower, started."""
+    import numpy as np
+
+    from edge_client.agent import DeviceAgent
+    from edge_client.artifacts import ArtifactFetchError
+    from edge_client.data.split import train_holdout_split
+    from edge_client.handlers import HandlerConfig, LocalData, SharedExtractors, device_handlers, secure_only, \
+        torch_free
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.topics import Topics
+
+    from .errors import UserError
+
     images, labels = _local_images(args)
     train_idx, holdout_idx = train_holdout_split(np.arange(len(labels)), args.holdout_fraction, args.seed)
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)
@@ -152,10 +189,6 @@ def run_device(args) -> int:
                                 signer=identity.sign if identity is not None else None,
                                 disk_budget_bytes=_megabytes(args.bundle_disk_mb))
     if args.bundle_sha:
-        from edge_client.artifacts import ArtifactFetchError
-
-        from .errors import UserError
-
         try:
             extractors.get(args.bundle_sha)      # at boot: fail early on a bad or unreachable bundle
         except ArtifactFetchError as exc:        # one line, not a traceback: the operator's to mend
@@ -174,24 +207,8 @@ def run_device(args) -> int:
     if args.deployments:
         follower = follow_deployments(args, broker, extractors, images[holdout_idx], labels[holdout_idx], signer,
                                       labels[train_idx] if args.personalize else None)
-    print(f"device {args.id}: {len(train_idx)} training / {len(holdout_idx)} held-out samples, tasks "
-          f"{sorted(k for k, h in handlers.items() if not isinstance(h, Unsupported))}"
-          f"{sorted(k for k in protocol_handlers if '.' in k)}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    feature_cache = DiskBudget(Path(args.cache_dir), _megabytes(args.feature_cache_mb), "features-*.npy") \
-        if args.cache_dir else None
-    while True:         # from the start, then every DISK_CHECK_S: the cache grows with every task
-        extractors.trim()       # (bundles are also trimmed at each fetch)
-        if feature_cache is not None:
-            feature_cache.trim()
-        if stop.wait(DISK_CHECK_S):
-            break
-    agent.stop()
-    if follower is not None:
-        follower.stop()
-    return 0
+    return SimpleNamespace(agent=agent, follower=follower, extractors=extractors, handlers=handlers,
+                           protocol_handlers=protocol_handlers, train_idx=train_idx, holdout_idx=holdout_idx)
 
 
 DISK_CHECK_S = 30.0      # how often a running device trims its feature cache and fetched bundles
@@ -274,23 +291,25 @@ def _signing(args, identity, handlers: dict) -> tuple:
     return identity.sign, secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
 
 
-def state_folder(args, create: bool) -> Path | None:
-    """The device's state folder, put in ``args.state_dir``: --state-dir, else the device's own
-    default folder (``fedfleet/device_state_path.py``); None with --no-state. ``create``: made (mode
-    0700) if missing, and said once where the state lives."""
+def state_folder(args, create: bool) -> list[Path]:
+    """Puts the device's state folder in ``args.state_dir``: --state-dir, else the device's own default
+    folder (``fedfleet/device_state_path.py``); None with --no-state. ``create``: made (mode 0700) if
+    missing, and said once where the state lives. Returns the folders made here, for
+    ``device_state_path.remove_made`` should the device not start."""
     from .device_state_path import default_state_dir, make_private_dir
 
     if args.no_state:
         if create:
             print(f"device {args.id} keeps no state (--no-state): stateful tasks and Fed3R tasks over fewer than "
                   "all its samples are declined", flush=True)
-        return None
+        return []
     if args.state_dir is None:
         args.state_dir = default_state_dir(args.id)
-    if create:
-        make_private_dir(args.state_dir)
-        print(f"device {args.id} keeps its state in {args.state_dir}", flush=True)
-    return args.state_dir
+    if not create:
+        return []
+    made = make_private_dir(args.state_dir)
+    print(f"device {args.id} keeps its state in {args.state_dir}", flush=True)
+    return made
 
 
 def state_store(args):
@@ -316,7 +335,8 @@ def forget_state(args) -> int:
     if args.state_dir is None and args.id is None:
         raise UserError("--forget-state needs --id (or --credentials) to find the device's state folder, "
                         "or --state-dir DIR")
-    folder = state_folder(args, create=False)
+    state_folder(args, create=False)
+    folder = args.state_dir
     from edge_client.state import DeviceStateStore
 
     gone = DeviceStateStore(folder).forget() if folder.exists() else 0

@@ -44,10 +44,12 @@ def _home() -> Path:
         raise UserError(f"no home folder for the device's state ({exc}): {CHOICES}") from None
 
 
-def make_private_dir(path: Path) -> None:
+def make_private_dir(path: Path) -> list[Path]:
     """Create ``path`` and each missing folder above it with mode 0700 (the XDG spec's mode; the
     umask is not consulted). A folder that exists keeps its mode: the operator may have chosen it,
-    but not one that another user could write to or replace (``check_private``)."""
+    but not one that another user could write to or replace (``check_private``). Returns the
+    folders made here, outermost first (for :func:`remove_made`)."""
+    made: list[Path] = []
     try:
         missing = [folder for folder in (path, *path.parents) if not folder.exists()]   # (ENAMETOOLONG)
         for folder in reversed(missing):
@@ -55,13 +57,29 @@ def make_private_dir(path: Path) -> None:
                 folder.mkdir(mode=0o700)
             except FileExistsError:         # made by another process meanwhile: its mode stays
                 continue
+            made.append(folder)
             folder.chmod(0o700)
         if not path.is_dir():
             raise NotADirectoryError(f"{path} is not a folder")
         check_private(path)
     except OSError as exc:      # a read-only home (EROFS), no permission, a file in the way
+        remove_made(made)
         raise UserError(f"cannot create the device's state folder {path}: {exc.strerror or exc}; {CHOICES}") \
             from None
+    except UserError:           # not private: the device does not start, so it leaves nothing it made
+        remove_made(made)
+        raise
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    """Take back the folders :func:`make_private_dir` made (``made``), innermost first, each only
+    while it is empty: whatever was written in one stays, with every folder above it."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:         # not empty (or gone): it, and those above it, stay
+            return
 
 
 def check_private(path: Path) -> None:

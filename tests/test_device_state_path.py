@@ -135,6 +135,31 @@ def test_a_state_folder_another_user_could_change_is_refused_in_one_line(how, tm
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "state folder" in err[0] and "is not private" in err[0], err
     assert "--state-dir" in err[0] and "Traceback" not in err[0]
+    # a folder the refused start made itself goes again (one under a loose folder stayed behind)
+    assert (tmp_path / "fleet" / "cam1").exists() == (how != "a folder above it writable by others")
+
+
+@pytest.mark.parametrize("data", ["a missing file", "a file that is no IDX"])
+def test_a_device_whose_data_cannot_be_loaded_leaves_no_state_folder_behind(data, tmp_path, monkeypatch, capsys):
+    """The state folder was made before the data loaded: a bad --idx path or file left an empty one,
+    with the folders made above it, behind (a review's finding). Those this start made go again; a
+    folder that was there before it stays."""
+    home = tmp_path / "fleet" / "devices"
+    monkeypatch.setenv("FEDFLEET_STATE_HOME", str(home))
+    images, labels = tmp_path / "images.idx", tmp_path / "labels.idx"
+    if data == "a file that is no IDX":
+        images.write_bytes(b"not an IDX file")
+        labels.write_bytes(b"nor this")
+    assert main(["device", "--id", "cam1", "--idx", str(images), str(labels)]) != 0
+    out, err = capsys.readouterr()
+    assert f"keeps its state in {home / 'cam1'}" in out and "Traceback" not in err     # made, then taken back
+    assert not (tmp_path / "fleet").exists()
+    home.mkdir(parents=True)
+    assert main(["device", "--id", "cam1", "--idx", str(images), str(labels)]) != 0
+    assert [p.name for p in home.iterdir()] == []                # what this start made, and only that, went
+    (home / "cam1").mkdir(mode=0o700)
+    assert main(["device", "--id", "cam1", "--idx", str(images), str(labels)]) != 0
+    assert (home / "cam1").is_dir()                              # there before: kept
 
 
 def test_a_shared_sticky_folder_above_is_fine(tmp_path):
