@@ -37,6 +37,7 @@ BAD = [
     ({"timeout_s": float("nan")}, "'timeout_s'"),
     ({"timeout_s": 10 ** 400}, "'timeout_s'"),
     ({"domains": ["fog", "rain", "fog"]}, "'domains' names 'fog' more than once"),    # a review's finding
+    ({"seeds": [0, 1, 0]}, "'seeds' names 0 more than once"),     # a repeated seed reran into the same seed0 folder
     ({"secure": True, "min_cluster_contributors": 1}, "'min_cluster_contributors'"),
 ]
 

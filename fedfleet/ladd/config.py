@@ -39,7 +39,8 @@ def spec(name: str):
 
 @dataclass
 class LaddSimConfig:
-    seeds: tuple[int, ...] = limited((0, 1, 2), Items(SEED, 100, int))     # each seed is a whole run
+    # each seed is a whole run, into its own seed{N} folder: a seed named twice reran into the same one
+    seeds: tuple[int, ...] = limited((0, 1, 2), Items(SEED, 100, int, distinct=True))
     # each named once: a domain named twice got twice the devices and one test set (rendered twice, one kept)
     domains: tuple[str, ...] = limited(TARGET_DOMAINS, Items(OneOf(tuple(DOMAINS)), len(DOMAINS), str, distinct=True))
     devices_per_domain: int = limited(10, Range(1, 10_000))
