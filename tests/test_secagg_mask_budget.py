@@ -8,10 +8,12 @@ decision and words equal to Python's)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import protocols.secagg.config as secagg_config
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
+from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 from protocols.envelope import EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.payloads.secagg import from_envelope, to_envelope
@@ -128,3 +130,45 @@ def test_a_secure_job_whose_largest_round_is_past_the_budget_is_refused_when_bui
         _sync_job(graph="complete", clients_per_round=642)
     for members in (128, 642, secagg_config.MAX_GROUP_SIZE):
         _sync_job(clients_per_round=members)
+
+
+# Secure LADD's vector is [φ | a θ slot per cluster | n | a weight and a count per cluster]
+# (protocols/payloads/secagg.py ClusterSlotLayout): here a φ and a θ tensor sized so that 7 clusters'
+# vector is exactly what each of a complete group of 128 members (126 drawn and the 2 stragglers
+# that may join the last group) may expand, and an 8th cluster's slot goes past it.
+LADD_MEMBERS = 128
+LADD_SLOT_WORDS = 2 ** 19
+LADD_PHI_WORDS = MAX_MASK_WORDS // LADD_MEMBERS - 7 * LADD_SLOT_WORDS - (1 + 2 * 7)
+
+
+def _ladd_job(**over) -> SecureLaddJob:
+    # "head." names are θ (cluster_scope "head"), the rest φ; both trainable
+    initial = {"tail.conv.weight": np.zeros(LADD_PHI_WORDS, np.float32),
+               "head.classifier.weight": np.zeros(LADD_SLOT_WORDS, np.float32)}
+    config = SecureLaddConfig(**{"job_id": "l", "model": {"num_classes": 4, "image_size": 32}, "graph": "complete",
+                                 "clients_per_round": LADD_MEMBERS - 2, "k_min": 1, **over})
+    return SecureLaddJob(config, initial=(initial, list(initial)), identity=AGGREGATOR,
+                         registry=IdentityRegistry({}))
+
+
+def test_a_secure_ladd_job_whose_most_clusters_are_past_the_budget_is_refused_when_built():
+    """Secure LADD checked its vector only when its first training round opened, after the style
+    rounds. Now the most clusters the config allows (k_max; one cluster when clustering is "none")
+    size the vector checked when the job is built."""
+    assert LADD_MEMBERS * (LADD_PHI_WORDS + 7 * LADD_SLOT_WORDS + 1 + 2 * 7) == MAX_MASK_WORDS
+    _ladd_job(k_max=7)                                                    # at the budget: built
+    eight = LADD_PHI_WORDS + 8 * LADD_SLOT_WORDS + 1 + 2 * 8
+    with pytest.raises(ValueError, match=rf"128 masks of {eight} words.*MAX_MASK_WORDS.*k_max"):
+        _ladd_job(k_max=8)
+    _ladd_job(k_max=64, clustering="none")                                 # one cluster whatever k_max says
+
+
+def test_a_secure_ladd_vector_longer_than_secagg_sums_is_refused_when_built(monkeypatch):
+    """The same with SecAgg's longest vector set to 7 clusters' here (the real 2^27 entries would
+    need a model of half a gigabyte) and the default graph, whose masks stay within the budget."""
+    import aggregator.jobs.secure_rounds as secure_rounds
+
+    monkeypatch.setattr(secure_rounds, "MAX_VECTOR_LENGTH", LADD_PHI_WORDS + 7 * LADD_SLOT_WORDS + 1 + 2 * 7)
+    _ladd_job(k_max=7, graph="auto")
+    with pytest.raises(ValueError, match="more than SecAgg's.*k_max"):
+        _ladd_job(k_max=8, graph="auto")

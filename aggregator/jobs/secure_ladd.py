@@ -47,7 +47,9 @@ never holds an un-noised sum. n and the per-cluster weights and counts carry no 
 server knows the survivors and their clusters anyway.
 
 Cost: a device uploads (|φ| + C·|θ| + 1 + 2C) × 8 bytes instead of (|φ| + |θ|) × 4, i.e. the
-θ part grows C-fold (docs/ladd.md has the figures).
+θ part grows C-fold (docs/ladd.md has the figures). A job built from its initial model holds the
+vector of the most clusters its config allows (``k_max``) to SecAgg's limits when it is built
+(``checked_vector_length``); one that pre-trains its own is refused when that round opens.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ import numpy as np
 
 from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity, IdentityRegistry
-from protocols.payloads.ladd import KIND_STYLE
-from protocols.payloads.secagg import SECURE_LADD_KIND, ClusterSlotLayout, SlotSums, ladd_slot_bound
+from protocols.payloads.ladd import KIND_STYLE, Layout, layout_size
+from protocols.payloads.secagg import (SECURE_LADD_KIND, ClusterSlotLayout, SlotSums, ladd_slot_bound,
+                                       slot_vector_length)
 from protocols.payloads.secure_tasks import SecureLaddParams
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
@@ -72,7 +75,7 @@ from aggregator.strategies.robust_fedavg import check_dp_group_sum, check_group_
 from aggregator.jobs.config_limits import Range, check_declared, limited
 from aggregator.jobs.ladd import Arrays, LaddConfig, LaddJob, Pretrainer
 from aggregator.jobs.secure_fields import SecureUpdateFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length
 
 
 @dataclass
@@ -93,6 +96,12 @@ class SecureLaddConfig(LaddConfig, SecureUpdateFields):
         if self.max_samples < 1 or not self.max_abs_param > 0:
             raise ValueError("max_samples >= 1 and max_abs_param > 0 required")
 
+    @property
+    def most_clusters(self) -> int:
+        """The most clusters, so slots, a round's vector may hold: the clustering picks k <= k_max
+        (``aggregator/strategies/ladd.py``), and "none" is one cluster."""
+        return self.k_max if self.clustering == "styles" else 1
+
 
 class SecureLaddJob(SecureGroupRounds, LaddJob):
     train_kind = SECURE_LADD_KIND
@@ -103,6 +112,12 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
                  initial: tuple[Arrays, list[str]] | None = None, evaluator=None,
                  identity: DeviceIdentity | None = None, registry: IdentityRegistry | None = None):
         LaddJob.__init__(self, config, pretrainer=pretrainer, initial=initial, evaluator=evaluator)
+        if initial is not None:
+            # refused now, not when the first training round opens after the style rounds; a job
+            # pre-training its own model learns its size then, and that round's opening refuses it
+            checked_vector_length(self._largest_vector_length(), config, smaller="train a smaller model" + (
+                f" or allow fewer clusters (k_max={config.k_max}: each adds a slot of the cluster-specific tensors)"
+                if config.most_clusters > 1 else ""))
         self._init_secure(identity, registry)
         self.bound = ladd_slot_bound(config.max_samples, config.max_abs_param)
         self.slots: ClusterSlotLayout | None = None
@@ -117,12 +132,22 @@ class SecureLaddJob(SecureGroupRounds, LaddJob):
             self._open_slot_round(chosen)
         return chosen
 
+    def _global_and_slot(self, trainable_layout: Layout) -> tuple[Layout, Layout]:
+        """The trained tensors every device sums (φ) and those of its cluster's slot (θ)."""
+        return ([e for e in trainable_layout if not self.is_theta(e[0])],
+                [e for e in trainable_layout if self.is_theta(e[0])])
+
+    def _largest_vector_length(self) -> int:
+        """The vector of a round with a slot for each of the most clusters the config allows (the
+        initial model's trained tensors: known before the styles are clustered)."""
+        global_layout, slot_layout = self._global_and_slot(self.update_layout())
+        return slot_vector_length(layout_size(global_layout), layout_size(slot_layout), self.config.most_clusters)
+
     def _slot_layout(self, chosen) -> ClusterSlotLayout:
         """The round's vector layout: a slot per cluster, enabled if enough of its devices were chosen."""
         selected = Counter(self.assignment[d] for d in chosen)
         enabled = tuple(selected.get(k, 0) >= self.config.min_cluster_contributors for k in range(self.n_clusters))
-        return ClusterSlotLayout([e for e in self.trainable_layout if not self.is_theta(e[0])],
-                                 [e for e in self.trainable_layout if self.is_theta(e[0])], enabled)
+        return ClusterSlotLayout(*self._global_and_slot(self.trainable_layout), enabled)
 
     def _open_slot_round(self, chosen: list[str]) -> None:
         self.slots = self._slot_layout(chosen)

@@ -51,22 +51,23 @@ log = logging.getLogger("fedfleet.aggregator.secagg")
 MIN_GROUP = 3      # fewer devices cannot hide anyone's update in a sum
 
 
-def checked_vector_length(length: int, config: SecureAggregationFields) -> int:
+def checked_vector_length(length: int, config: SecureAggregationFields,
+                          smaller: str = "train a smaller model (num_classes x feature_dim)") -> int:
     """``length``, the job's secure vector, refused when the job is built (one clear config error)
     rather than at its first round's opening when SecAgg cannot sum that many entries, or when its
     largest round (``config``'s clients_per_round, and the stragglers that join the last group, on
     its graph) would ask a member to expand more mask words than a device does (MAX_MASK_WORDS:
-    every device would refuse it)."""
+    every device would refuse it). ``smaller``: what shortens this job's vector, said in the error."""
     if length > MAX_VECTOR_LENGTH:
         raise ValueError(f"the secure vector would hold {length:,} entries, more than SecAgg's {MAX_VECTOR_LENGTH:,}: "
-                         "train a smaller model (num_classes x feature_dim) or run without secure aggregation")
+                         f"{smaller} or run without secure aggregation")
     members = min(config.clients_per_round + MIN_GROUP - 1, MAX_GROUP_SIZE)
     try:
         check_mask_words(largest_mask_expansions(config.graph, members, config.expected_dropout), length)
     except ConfigError as exc:
         raise ValueError(f"a round of up to {members:,} members on the {config.graph!r} graph: {exc} "
                          "(protocols/secagg/config.py MAX_MASK_WORDS): draw fewer clients_per_round, use the graph "
-                         "\"auto\" or \"regular\", or train a smaller model") from None
+                         f"\"auto\" or \"regular\", or {smaller}") from None
     return length
 
 

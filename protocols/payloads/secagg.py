@@ -246,6 +246,13 @@ class SlotSums:
     count_per_cluster: np.ndarray    # int64 (C,)
 
 
+def slot_vector_length(global_size: int, slot_size: int, n_clusters: int) -> int:
+    """The entries of a secure LADD vector of ``n_clusters`` slots (:class:`ClusterSlotLayout`'s
+    form): the global tensors, a slot per cluster, n, and a weight and a count per cluster. A job
+    sizes its largest round with it before any layout exists (``aggregator/jobs/secure_ladd.py``)."""
+    return global_size + n_clusters * slot_size + 1 + 2 * n_clusters
+
+
 @dataclass(frozen=True)
 class ClusterSlotLayout:
     """The layout of a secure LADD device's vector (module doc): global tensors, one slot per
@@ -291,7 +298,7 @@ class ClusterSlotLayout:
 
     @property
     def vector_length(self) -> int:
-        return self.tensors_size + 1 + 2 * self.n_clusters
+        return slot_vector_length(self.global_size, self.slot_size, self.n_clusters)
 
     def _slot_start(self, cluster: int) -> int:
         return self.global_size + cluster * self.slot_size
