@@ -23,6 +23,7 @@ QUICK = {
     "backbone_speed.py": ["--quick"],
     "export.py": ["--quick"],
     "secagg.py": ["--quick"],
+    "fed3r_sync_member.py": ["--repeats", "3"],
     "ops.py": [],
     "fed3r_vs_fedavg.py": [],
     "personalization.py": [],
