@@ -44,14 +44,35 @@ def _role(cmdline: str, comm: str, out: str) -> str | None:
     return None
 
 
+def _parent(pid: str) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def _descends_from(pid: str, root: str) -> bool:
+    """Whether ``pid`` is a descendant of ``root`` (its parent's parent's ... is ``root``)."""
+    seen = set()
+    while pid not in (None, "0", "1") and pid not in seen:
+        if pid == root:
+            return True
+        seen.add(pid)
+        pid = _parent(pid)
+    return False
+
+
 class ProcessSampler(threading.Thread):
-    """Every second: CPU seconds (last seen) and peak RSS of each process whose command line names
-    ``out``, summed per role. A process's CPU is read until it exits, so the last sample before
-    its exit is kept: up to a second of CPU may be missed per process."""
+    """Every second: CPU seconds (last seen) and peak RSS of each of this bench's descendant
+    processes whose command line names ``out`` (or a fork of simulate's, by its name), summed per
+    role. Only descendants: another session's ``fedfleet simulate`` forks have the same names, and
+    counting them reported a 20.8 GB server peak. A process's CPU is read until it exits, so the
+    last sample before its exit is kept: up to a second of CPU may be missed per process."""
 
     def __init__(self, out: str):
         super().__init__(daemon=True)
         self.out, self.stop, self.seen = out, threading.Event(), {}
+        self.root, self.strangers = str(os.getpid()), set()
 
     def run(self):
         while not self.stop.is_set():
@@ -59,7 +80,10 @@ class ProcessSampler(threading.Thread):
                 try:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                     role = _role(cmd, Path(f"/proc/{pid}/comm").read_text().strip(), self.out)
-                    if role is None:
+                    if role is None or pid in self.strangers:
+                        continue
+                    if pid not in self.seen and not _descends_from(pid, self.root):
+                        self.strangers.add(pid)
                         continue
                     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 except (OSError, IndexError, UnicodeDecodeError):
