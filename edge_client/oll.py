@@ -36,8 +36,8 @@ import numpy as np
 from protocols.payloads.fedavg import raise_if_diverged
 
 from .tasks.head_training import LocalTraining, TrainedHead, train_head
-from .tasks.numpy_head import (heads_per_lockstep, lockstep_batch, train_heads_together,
-                               within_cross_validation_step_budget, within_lockstep_work)
+from .tasks.numpy_head import (head_size, heads_per_lockstep, lockstep_batch, train_heads_together,
+                               within_cross_validation_budget)
 
 FALLBACKS = ("error", "global")
 
@@ -187,8 +187,9 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
     batched step for all of them), as the per-step overhead, not arithmetic, is what a tiny
     k-class head's training costs.
 
-    Its SGD steps are counted with the chosen rate's fit on all rows that follows (the caller's
-    ``PersonalizedHead.fine_tune``): past the step budget together, declined before any is trained.
+    Its SGD steps and multiply-adds are counted with the chosen rate's fit on all rows that follows
+    (the caller's ``PersonalizedHead.fine_tune``): past the step or work budget together, declined
+    before any is trained.
     """
     candidates = check_candidates(candidates, folds)
     labels = np.asarray(labels, dtype=np.int64)
@@ -198,8 +199,8 @@ def choose_fp_lr(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, lab
     head = PersonalizedHead(weight, bias, labels, fallback="global")
     features, local = head._check(features), head.label_map.to_local(labels)
     start_weight, start_bias = head.weight, head.bias
-    within_cross_validation_step_budget(fits, len(labels), recipe, len(candidates))   # steps, then work: as Java
-    within_lockstep_work(fits, recipe, len(candidates), start_weight, start_bias)
+    within_cross_validation_budget(fits, len(labels), recipe, len(candidates),   # steps, then work: as Java
+                                   head_size(start_weight, start_bias))
     # a group of rates at a time, its heads scored and let go: all folds x rates held at once were up
     # to 320 heads (numpy_head.MAX_LOCKSTEP_BYTES)
     rates = max(1, heads_per_lockstep(lockstep_batch(recipe.batch_size, fits), *start_weight.shape) // len(fits))

@@ -114,7 +114,7 @@ def test_fp_of_the_tail_counts_every_cross_validation_fit_against_the_step_budge
     is 72 million steps through the tail program, hours of a phone's only task thread from one signed
     task. The chosen rate's fit on all rows follows, and counts too: 20 folds x 2 rates of 1,080 epochs
     are 984,960 steps, within the budget, and with the last fit's 25,920 past it. Declined before any
-    fit, with the count (FP(ψ) counts alike: numpy_head.within_cross_validation_step_budget)."""
+    fit, with the count (FP(ψ) counts alike: numpy_head.within_cross_validation_budget)."""
     task = device(tail_bundle)
     params, tensors = job("phi").task_for("dev0")
     rows = len(task.train_labels)

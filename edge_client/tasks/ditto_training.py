@@ -25,7 +25,7 @@ from protocols.payloads.fedavg import raise_if_diverged
 
 from ..agent import TaskDeclined
 from .head_training import LocalTraining
-from .numpy_head import NumpyHeadStepper, batch_schedule, head_size, within_passes_step_budget
+from .numpy_head import NumpyHeadStepper, batch_schedule, head_size, recipe_pass, within_passes_budget
 from .stateful_head import StatefulHeadTask
 
 
@@ -52,10 +52,10 @@ def ditto_pass(weight: np.ndarray, bias: np.ndarray, personal: dict[str, np.ndar
     features = np.ascontiguousarray(features, dtype=np.float32)
     labels = np.asarray(labels, dtype=np.int64)
     mine_recipe = personal_recipe(recipe, ditto)
-    rows, batch_size = len(labels), recipe.batch_size
-    within_passes_step_budget([(rows, recipe.epochs, batch_size), (rows, mine_recipe.epochs, batch_size)],
-                              f"Ditto's global pass of {recipe.epochs} epochs and personal pass of {mine_recipe.epochs} "
-                              f"epochs over {rows} samples in batches of {batch_size}")
+    rows, batch_size, size = len(labels), recipe.batch_size, head_size(weight, bias)
+    within_passes_budget([recipe_pass(rows, recipe, size), recipe_pass(rows, mine_recipe, size)],
+                         f"Ditto's global pass of {recipe.epochs} epochs and personal pass of {mine_recipe.epochs} "
+                         f"epochs over {rows} samples in batches of {batch_size}")
     trained = local_pass(weight, bias, features, labels, recipe)
     mine = local_pass(personal["weight"], personal["bias"], features, labels, mine_recipe,
                       anchor={"weight": weight, "bias": bias})

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocols.payloads.fedavg import (MAX_LOCAL_STEPS, BatchSchedule, TooManySteps, check_local_steps,
-                                      check_local_work)
+from typing import NamedTuple
+
+from protocols.payloads.fedavg import (MAX_LOCAL_STEPS, MAX_LOCAL_WORK, BatchSchedule, TooManySteps,
+                                      check_local_steps, check_local_work)
 
 from ..agent import TaskDeclined
 from ..work_deadline import each_checked
@@ -98,15 +100,24 @@ def batch_schedule(rows: int, recipe, per_row: int = 0) -> BatchSchedule:
     """The mini-batches (row positions) of ``recipe.epochs`` seeded-shuffled epochs over ``rows``
     rows: ``head_training.local_sgd``'s order, step by step (the protocol's definition,
     ``protocols.payloads.fedavg.batch_schedule``, so other languages' devices take the same).
-    ``per_row``: the trained heads' parameters a row meets (:func:`head_size`), for the work budget."""
-    return schedule(rows, recipe.epochs, recipe.batch_size, recipe.seed, per_row)
+    ``per_row``: the trained heads' parameters a row meets (:func:`head_size`), for the work budget,
+    counted at each of the recipe's gradient evaluations a step (:func:`gradient_evaluations`)."""
+    evaluations = gradient_evaluations(recipe) if per_row else 1
+    return schedule(rows, recipe.epochs, recipe.batch_size, recipe.seed, per_row, evaluations)
 
 
-def schedule(rows: int, epochs: int, batch_size: int, seed: int, per_row: int = 0) -> BatchSchedule:
+def schedule(rows: int, epochs: int, batch_size: int, seed: int, per_row: int = 0,
+             evaluations: int = 1) -> BatchSchedule:
     """The protocol's batch schedule; a task past every device's step or work budget is declined with
     the count. Iterating it stops the task's work once its round is over (``edge_client.work_deadline``)."""
-    within_step_budget(rows, epochs, batch_size, per_row)
+    within_step_budget(rows, epochs, batch_size, per_row, evaluations)
     return _DeadlineCheckedSchedule(rows, epochs, batch_size, seed)
+
+
+def gradient_evaluations(recipe) -> int:
+    """The gradient evaluations each step of ``recipe`` takes (its local rule's: FedSAM/FedASAM's 2,
+    at w and at w + ε̂), what a step's work is counted at."""
+    return rule_for(recipe.rule).evaluations_per_step
 
 
 def head_size(weight: np.ndarray, bias: np.ndarray) -> int:
@@ -121,38 +132,60 @@ class _DeadlineCheckedSchedule(BatchSchedule):
         return each_checked(super().__iter__())
 
 
-def within_step_budget(rows: int, epochs: int, batch_size: int, per_row: int = 0) -> None:
+def within_step_budget(rows: int, epochs: int, batch_size: int, per_row: int = 0, evaluations: int = 1) -> None:
     """Decline (with the count) local training past every device's step budget (``MAX_LOCAL_STEPS``):
-    every kind's, LADD's self-training too; with ``per_row``, past its work budget (``MAX_LOCAL_WORK``)."""
+    every kind's, LADD's self-training too; with ``per_row``, past its work budget (``MAX_LOCAL_WORK``),
+    each step counted at its ``evaluations`` gradient evaluations."""
     try:
         check_local_steps(rows, epochs, batch_size)
         if per_row:
-            check_local_work(rows, epochs, per_row)
+            check_local_work(rows, epochs, per_row, evaluations)
     except TooManySteps as exc:
         raise TaskDeclined(str(exc)) from exc
 
 
-def within_passes_step_budget(passes: list[tuple[int, int, int]], what: str) -> None:
+class TrainingPass(NamedTuple):
+    """One training pass of a task, as its budgets count it: ``epochs`` epochs over ``rows`` rows in
+    batches of ``batch_size`` (its SGD steps), through ``per_row`` head parameters at ``evaluations``
+    gradient evaluations a step (its multiply-adds; ``per_row`` 0: no work budget, a tail's)."""
+    rows: int
+    epochs: int
+    batch_size: int
+    per_row: int = 0
+    evaluations: int = 1
+
+
+def recipe_pass(rows: int, recipe, per_row: int = 0) -> TrainingPass:
+    """The pass of ``recipe`` (a ``LocalTraining``) over ``rows`` rows through ``per_row`` head parameters."""
+    return TrainingPass(rows, recipe.epochs, recipe.batch_size, per_row, gradient_evaluations(recipe))
+
+
+def within_passes_budget(passes: list[TrainingPass], what: str) -> None:
     """Decline, before any training and with the count, a task whose training passes ask more SGD
-    steps together than a device takes (``MAX_LOCAL_STEPS``). ``passes``: each pass's (rows, epochs,
-    batch_size), a pass run once per learning rate listed that often; ``what``: the passes in words.
-    Every pass was checked alone as it started, so one task of several passes asked several budgets
-    (review findings: FP(φ)/FP(M)'s cross-validation, 20 folds x 16 rates, 320 of them; Ditto's and
-    FedAlt's two passes, 2). A pass past the budget alone is declined with its own count, as before."""
+    steps (``MAX_LOCAL_STEPS``), or then more multiply-adds (``MAX_LOCAL_WORK``), together than a
+    device takes. ``passes``: a pass run once per learning rate listed that often; ``what``: the
+    passes in words. Every pass was checked alone as it started, so one task of several passes asked
+    several budgets (review findings: FP(φ)/FP(M)'s cross-validation, 20 folds x 16 rates, 320 of
+    them; Ditto's and FedAlt's two passes, 2; FP(ψ)'s chosen rate's fit after its cross-validation).
+    A pass past a budget alone is declined with its own count, as before."""
     try:
-        steps = sum(check_local_steps(rows, epochs, batch_size) for rows, epochs, batch_size in passes)
+        steps = sum(check_local_steps(p.rows, p.epochs, p.batch_size) for p in passes)
+        if steps > MAX_LOCAL_STEPS:
+            raise TooManySteps(f"{what} is {steps} SGD steps, more than a device takes ({MAX_LOCAL_STEPS})")
+        work = sum(check_local_work(p.rows, p.epochs, p.per_row, p.evaluations) for p in passes)
+        if work > MAX_LOCAL_WORK:
+            raise TooManySteps(f"{what} is {work:.2e} multiply-adds, more than a device takes ({MAX_LOCAL_WORK:.0e})")
     except TooManySteps as exc:
         raise TaskDeclined(str(exc)) from exc
-    if steps > MAX_LOCAL_STEPS:
-        raise TaskDeclined(f"{what} is {steps} SGD steps, more than a device takes ({MAX_LOCAL_STEPS})")
 
 
-def within_cross_validation_step_budget(fits: list[np.ndarray], rows: int, recipe, rates: int) -> None:
+def within_cross_validation_budget(fits: list[np.ndarray], rows: int, recipe, rates: int, per_row: int = 0) -> None:
     """FP's learning-rate choice counted as one task: each fold's fit once per candidate rate, then
-    the chosen rate's fit on all ``rows`` (FP(ψ)'s heads and FP(φ)/FP(M)'s tail program alike)."""
+    the chosen rate's fit on all ``rows`` (FP(ψ)'s heads, of ``per_row`` parameters, and FP(φ)/FP(M)'s
+    tail program alike: a tail's work is its bundle's, not counted)."""
     epochs, batch_size = recipe.epochs, recipe.batch_size
-    within_passes_step_budget(
-        [(len(fit), epochs, batch_size) for fit in fits] * rates + [(rows, epochs, batch_size)],
+    within_passes_budget(
+        [recipe_pass(len(fit), recipe, per_row) for fit in fits] * rates + [recipe_pass(rows, recipe, per_row)],
         f"cross-validation of {rates} learning rates over {len(fits)} folds, then the chosen rate's fit on all "
         f"{rows} samples, {epochs} epochs each in batches of {batch_size},")
 

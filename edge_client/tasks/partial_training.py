@@ -21,7 +21,7 @@ from protocols.payloads.fedavg import raise_if_diverged
 from protocols.payloads.partial import KIND, PartialParams, PartialRecipe, encode_partial_update
 
 from ..agent import TaskDeclined
-from .numpy_head import head_sgd_step, head_size, schedule, within_passes_step_budget
+from .numpy_head import TrainingPass, head_sgd_step, head_size, schedule, within_passes_budget
 from .stateful_head import StatefulHeadTask
 
 
@@ -50,10 +50,11 @@ def train_partial(weight: np.ndarray, personal_bias: np.ndarray, features: np.nd
     if recipe.algorithm == "fedsim":
         sgd_epochs(u, v, features, labels, recipe, recipe.epochs, recipe.seed, ("weight", "bias"))
     else:
-        rows, batch_size = len(labels), recipe.batch_size
-        within_passes_step_budget([(rows, recipe.personal_epochs, batch_size), (rows, recipe.epochs, batch_size)],
-                                  f"FedAlt's personal pass of {recipe.personal_epochs} epochs and shared pass of "
-                                  f"{recipe.epochs} epochs over {rows} samples in batches of {batch_size}")
+        rows, batch_size, size = len(labels), recipe.batch_size, head_size(u, v)
+        within_passes_budget([TrainingPass(rows, recipe.personal_epochs, batch_size, size),
+                              TrainingPass(rows, recipe.epochs, batch_size, size)],
+                             f"FedAlt's personal pass of {recipe.personal_epochs} epochs and shared pass of "
+                             f"{recipe.epochs} epochs over {rows} samples in batches of {batch_size}")
         sgd_epochs(u, v, features, labels, recipe, recipe.personal_epochs, recipe.seed, ("bias",))
         sgd_epochs(u, v, features, labels, recipe, recipe.epochs, (recipe.seed + 1) % 2**32, ("weight",))
     raise_if_diverged({"weight": u, "bias": v})

@@ -23,7 +23,7 @@ from protocols.payloads.fedavg import TAIL_PREFIX, raise_if_diverged
 
 from ..oll import PersonalizedHead, best_candidate, check_candidates, cv_folds
 from .head_training import LocalTraining, SessionStepper, local_sgd
-from .numpy_head import within_cross_validation_step_budget
+from .numpy_head import within_cross_validation_budget
 
 FP_PARTS = {"phi": False, "M": True}        # FP of the tail alone, or of the tail and the head: head trains?
 MASKED_BIAS = np.float32(-1e4)              # (f·w − 1e4)/T: e^(−1e5) is 0 in float32 for any feature a head sees
@@ -73,7 +73,7 @@ class TailFineTuning:
         if len(candidates) == 1 or len(labels) < folds:
             return candidates[0], {}
         parts, fits = cv_folds(len(labels), folds, self.recipe.seed)
-        within_cross_validation_step_budget(fits, len(labels), self.recipe, len(candidates))
+        within_cross_validation_budget(fits, len(labels), self.recipe, len(candidates))
         scores = {}
         for lr in candidates:
             correct = sum(int((self.predict(self.fit(activations[fit], labels[fit], lr), activations[held])

@@ -209,17 +209,21 @@ class TooManySteps(ValueError):
 # visits each row once, and a row costs every trained head's C × (d + 1) parameters (forward and
 # backward alike, counted once). The step budget alone let one task within every limit (50,000
 # classes, a batch of every row, 10,000 epochs) hold a device's only task thread for 84 minutes
-# (a review's finding); an honest recipe (1,000 classes, 10,000 rows, 100 epochs) is 1.3e12.
+# (a review's finding); an honest recipe (1,000 classes, 10,000 rows, 100 epochs) is 1.3e12. A
+# step whose local rule evaluates the gradient twice (FedSAM/FedASAM: at w and at w + ε̂) counts
+# twice: counted once, a SAM task could ask twice the budget.
 MAX_LOCAL_WORK = 10 ** 13
 
 
-def check_local_work(rows: int, epochs: int, per_row: int) -> int:
-    """``epochs`` × ``rows`` × ``per_row`` (the heads' parameters a row meets);
-    :class:`TooManySteps` past ``MAX_LOCAL_WORK`` (every device's head training)."""
-    work = epochs * rows * per_row
+def check_local_work(rows: int, epochs: int, per_row: int, evaluations: int = 1) -> int:
+    """``epochs`` × ``rows`` × ``per_row`` (the heads' parameters a row meets) × ``evaluations``
+    (the gradient evaluations of each step: SAM/ASAM's 2); :class:`TooManySteps` past
+    ``MAX_LOCAL_WORK`` (every device's head training)."""
+    work = epochs * rows * per_row * evaluations
     if work > MAX_LOCAL_WORK:
-        raise TooManySteps(f"local training of {epochs} epochs over {rows} samples through {per_row} head parameters "
-                           f"is {work:.2e} multiply-adds, more than a device takes ({MAX_LOCAL_WORK:.0e})")
+        each_step = f", {evaluations} gradient evaluations a step," if evaluations != 1 else ""
+        raise TooManySteps(f"local training of {epochs} epochs over {rows} samples through {per_row} head parameters"
+                           f"{each_step} is {work:.2e} multiply-adds, more than a device takes ({MAX_LOCAL_WORK:.0e})")
     return work
 
 

@@ -40,7 +40,7 @@ public final class DittoTask extends StatefulHeadTask {
             start.put("bias", t.bias);
         }
         LocalTraining recipe = p.head.recipe, personal = p.personalRecipe();
-        withinStepBudget(t, "Ditto's global pass of " + recipe.epochs + " epochs and personal pass of " + personal.epochs
+        withinBudget(t, "Ditto's global pass of " + recipe.epochs + " epochs and personal pass of " + personal.epochs
                 + " epochs over " + t.labels.length + " samples in batches of " + recipe.batchSize, recipe, personal);
         HeadTrainer.Trained global = train(new HeadTrainer(t.numClasses, t.dim, recipe), t.weight, t.bias, t, recipe);
         HeadTrainer.Trained mine = train(new HeadTrainer(t.numClasses, t.dim, personal).pulledTo(t.weight, t.bias),

@@ -25,19 +25,18 @@ public final class FpLearningRate {
         if (candidates.length == 1 || n < folds) return new FpLearningRate(candidates[0], new double[0]);
         int[] starts = new int[folds + 1];                 // np.array_split: the first n % folds parts one longer
         for (int p = 0; p < folds; p++) starts[p + 1] = starts[p] + n / folds + (p < n % folds ? 1 : 0);
-        // every head counts (folds x candidates, each fit on the other folds' rows), its steps with the
-        // chosen rate's fit on all rows after (PersonalizeTask's): as the Python device's
-        // within_cross_validation_step_budget and train_heads_together, before any is trained
-        long[] steps = new long[folds * candidates.length + 1];
+        // every head counts (folds x candidates, each fit on the other folds' rows), its steps and
+        // multiply-adds with the chosen rate's fit on all rows after (PersonalizeTask's): as the Python
+        // device's within_cross_validation_budget, before any is trained
+        LocalTraining.Pass[] fits = new LocalTraining.Pass[folds * candidates.length + 1];
         for (int i = 0; i < folds * candidates.length; i++) {
             int p = i % folds;
-            steps[i] = recipe.steps(n - (starts[p + 1] - starts[p]));
+            fits[i] = recipe.over(n - (starts[p + 1] - starts[p]));
         }
-        steps[steps.length - 1] = recipe.steps(n);
+        fits[fits.length - 1] = recipe.over(n);
         LocalTraining.checkPasses("cross-validation of " + candidates.length + " learning rates over " + folds
                 + " folds, then the chosen rate's fit on all " + n + " samples, " + recipe.epochs
-                + " epochs each in batches of " + recipe.batchSize + ",", steps);
-        recipe.checkWork((folds - 1) * n, (long) candidates.length * head.k() * (head.dim + 1));
+                + " epochs each in batches of " + recipe.batchSize + ",", (long) head.k() * (head.dim + 1), fits);
         int[] order = NumpyGenerator.fromSeed(recipe.seed).permutation(n);
         int[] local = new int[n];
         for (int i = 0; i < n; i++) local[i] = head.toLocal(labels[i]);

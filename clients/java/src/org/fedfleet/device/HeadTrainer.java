@@ -69,7 +69,7 @@ public final class HeadTrainer {
         startW = anchorW != null ? anchorW : weight.clone();
         startB = anchorB != null ? anchorB : bias.clone();
         LocalTraining.Schedule batches = recipe.batchSchedule(labels.length);
-        recipe.checkWork(labels.length, (long) numClasses * (dim + 1));      // steps, then work: as the Python device
+        recipe.work(labels.length, (long) numClasses * (dim + 1));      // steps, then work: as the Python device
         int lastEpoch = Math.max(1, batches.size() / Math.max(1, recipe.epochs));     // 0 epochs: no steps
         double lossSum = 0;
         Iterator<int[]> steps = batches.iterator();

@@ -72,16 +72,30 @@ public final class LocalTraining {
     /** The most SGD steps one task may ask of a device (protocols/payloads/fedavg.py MAX_LOCAL_STEPS). */
     public static final long MAX_LOCAL_STEPS = 1_000_000L;
     /** The most multiply-adds one task's head training may ask (protocols/payloads/fedavg.py MAX_LOCAL_WORK):
-     *  epochs x rows x the heads' parameters a row meets. */
+     *  epochs x rows x the heads' parameters a row meets x the gradient evaluations of a step. */
     public static final double MAX_LOCAL_WORK = 1e13;
 
-    /** IllegalArgumentException past MAX_LOCAL_WORK (as check_local_work; counted in double: no overflow). */
-    public void checkWork(int rows, long perRow) {
-        double work = (double) epochs * rows * perRow;
+    /** The gradient evaluations each step of this recipe takes (local_rules.py evaluations_per_step):
+     *  FedSAM/FedASAM's 2, at w and at w + ε̂ (HeadTrainer.step), plain SGD's and FedProx's 1. */
+    public int gradientEvaluations() { return localRule.equals("sgd") ? 1 : 2; }
+
+    /** The multiply-adds of this recipe over `rows` rows through `perRow` head parameters, epochs x rows x
+     *  perRow x gradientEvaluations() (check_local_work; counted in double: no overflow);
+     *  IllegalArgumentException past MAX_LOCAL_WORK. SAM's step was counted once, so a SAM task asked
+     *  up to twice the budget. */
+    public double work(int rows, long perRow) {
+        int evaluations = gradientEvaluations();
+        double work = (double) epochs * rows * perRow * evaluations;
         if (work > MAX_LOCAL_WORK)
             throw new IllegalArgumentException("local training of " + epochs + " epochs over " + rows + " samples through "
-                + perRow + " head parameters is " + String.format(java.util.Locale.ROOT, "%.2e", work)
-                + " multiply-adds, more than a device takes (1e+13)");
+                + perRow + " head parameters"
+                + (evaluations != 1 ? ", " + evaluations + " gradient evaluations a step," : "")
+                + " is " + multiplyAdds(work) + ", more than a device takes (1e+13)");
+        return work;
+    }
+
+    private static String multiplyAdds(double work) {
+        return String.format(java.util.Locale.ROOT, "%.2e", work) + " multiply-adds";
     }
 
     /** The SGD steps of this recipe over `rows` rows, epochs x ceil(rows / batch_size) (check_local_steps);
@@ -94,17 +108,33 @@ public final class LocalTraining {
         return steps;
     }
 
-    /** A task's training passes counted as one task (numpy_head.py within_passes_step_budget): each
-     *  pass's steps (from steps(rows): a pass past the budget alone has its own message) summed, and
-     *  IllegalArgumentException "`what` is S SGD steps, ..." past MAX_LOCAL_STEPS. Each pass was checked
-     *  alone as it started, so a task of several passes asked several budgets (Ditto's and FedAlt's two,
-     *  FP(psi)'s folds x rates fits and its chosen rate's). */
-    public static void checkPasses(String what, long... passSteps) {
+    /** One training pass of a task: this recipe over `rows` rows (checkPasses). */
+    public static final class Pass {
+        final LocalTraining recipe;
+        final int rows;
+        Pass(LocalTraining recipe, int rows) { this.recipe = recipe; this.rows = rows; }
+    }
+
+    public Pass over(int rows) { return new Pass(this, rows); }
+
+    /** A task's training passes, through `perRow` head parameters each, counted as one task
+     *  (numpy_head.py within_passes_budget): their steps summed (a pass past the budget alone has
+     *  steps(rows)'s message), IllegalArgumentException "`what` is S SGD steps, ..." past
+     *  MAX_LOCAL_STEPS; then their multiply-adds summed (a pass past it alone: work's message),
+     *  "`what` is W multiply-adds, ..." past MAX_LOCAL_WORK. Each pass was checked alone as it started,
+     *  so a task of several passes asked several budgets (Ditto's and FedAlt's two, FP(psi)'s folds x
+     *  rates fits and its chosen rate's). */
+    public static void checkPasses(String what, long perRow, Pass... passes) {
         long steps = 0;
-        for (long s : passSteps) steps += s;
+        for (Pass p : passes) steps += p.recipe.steps(p.rows);
         if (steps > MAX_LOCAL_STEPS)
             throw new IllegalArgumentException(what + " is " + steps + " SGD steps, more than a device takes ("
                 + MAX_LOCAL_STEPS + ")");
+        double work = 0;
+        for (Pass p : passes) work += p.recipe.work(p.rows, perRow);
+        if (work > MAX_LOCAL_WORK)
+            throw new IllegalArgumentException(what + " is " + multiplyAdds(work)
+                + ", more than a device takes (1e+13)");
     }
 
     /** The row positions of each SGD step (protocols/payloads/fedavg.py batch_schedule);

@@ -45,7 +45,7 @@ public final class PartialTask extends StatefulHeadTask {
         } else {
             LocalTraining personal = p.sgd(p.personalEpochs, seed),
                     shared = p.sgd(p.head.recipe.epochs, seed.add(BigInteger.ONE).mod(BigInteger.ONE.shiftLeft(32)));
-            withinStepBudget(t, "FedAlt's personal pass of " + personal.epochs + " epochs and shared pass of "
+            withinBudget(t, "FedAlt's personal pass of " + personal.epochs + " epochs and shared pass of "
                     + shared.epochs + " epochs over " + t.labels.length + " samples in batches of " + shared.batchSize,
                     personal, shared);
             if (p.personalEpochs > 0) v = pass(t, personal, u, v, false, true).bias;

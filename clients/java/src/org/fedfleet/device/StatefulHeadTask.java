@@ -213,13 +213,14 @@ public abstract class StatefulHeadTask implements TaskHandler {
         body.put("restarted", restarted);
     }
 
-    /** Declined, before any pass trains, when the task's passes over its rows ask more SGD steps
-     *  together than a device takes (LocalTraining.checkPasses; edge_client's within_passes_step_budget). */
-    static void withinStepBudget(Read t, String what, LocalTraining... passes) throws TaskDeclined {
+    /** Declined, before any pass trains, when the task's passes over its rows ask more SGD steps, or
+     *  multiply-adds through its head, together than a device takes (LocalTraining.checkPasses;
+     *  edge_client's within_passes_budget). */
+    static void withinBudget(Read t, String what, LocalTraining... passes) throws TaskDeclined {
         try {
-            long[] steps = new long[passes.length];
-            for (int i = 0; i < passes.length; i++) steps[i] = passes[i].steps(t.labels.length);
-            LocalTraining.checkPasses(what, steps);
+            LocalTraining.Pass[] each = new LocalTraining.Pass[passes.length];
+            for (int i = 0; i < passes.length; i++) each[i] = passes[i].over(t.labels.length);
+            LocalTraining.checkPasses(what, (long) t.numClasses * (t.dim + 1), each);
         } catch (IllegalArgumentException e) {
             throw new TaskDeclined(e.getMessage());
         }
