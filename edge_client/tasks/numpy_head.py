@@ -15,9 +15,9 @@ per-step overhead (which dominates on a tiny k-class head) once instead of G·L 
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import NamedTuple
+
+import numpy as np
 
 from protocols.payloads.fedavg import (MAX_LOCAL_STEPS, MAX_LOCAL_WORK, BatchSchedule, TooManySteps,
                                       check_local_steps, check_local_work)
