@@ -20,11 +20,11 @@ from secure_shard_runs import DEVICES, SYNC_KINDS
 def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_ones_changing_nothing(tmp_path):
     """Sans-IO, real keys and envelopes: shard 1 (whose bucket holds dev08 alone) hosts round 1's
     group of dev03, dev04, dev08. It reads the members' outboxes, takes their secagg messages (a
-    malformed one or one claiming another sender is dropped, the group running on), leaves a
-    foreign member's other messages to its own shard, forwards what its bucket's devices send; a
-    shard hosting nothing drops every secagg message. An aborted group ends failed, with its reason."""
+    malformed one is refused for the coordinator to count, one claiming another sender left to its
+    own shard, the group running on), leaves a foreign member's other messages to its own shard,
+    forwards what its bucket's devices send; a shard hosting nothing drops every secagg message. An aborted group ends failed, with its reason."""
     from aggregator.jobs.registry import build_job
-    from aggregator.shards.shard import Forward, Publish, ShardIngest
+    from aggregator.shards.shard import Forward, Publish, Refused, ShardIngest
     from aggregator.storage.store import Store
     from protocols import messages as M
     from protocols.envelope import Envelope, encode
@@ -49,7 +49,8 @@ def test_a_shard_takes_only_its_hosted_groups_secagg_messages_and_refuses_bad_on
         return shard.feed(topics.outbox(device), encode(env), 1.0)
 
     garbage = Envelope(type=SECAGG_TYPE, sender="dev03", body={"secagg": {"round_id": 1, "phase": "nonsense"}})
-    assert sent(host, "dev03", garbage) == Publish([])
+    refused = sent(host, "dev03", garbage)          # refused, for the coordinator to count ("protocol")
+    assert isinstance(refused, Refused) and refused.reason_class == "protocol"
     forged = Envelope(type=SECAGG_TYPE, sender="dev04", body=garbage.body)       # on dev03's outbox
     assert sent(host, "dev03", forged) is None
     assert host.job_id and host.groups.job.secure_round_live(1) and host.groups.outcomes() == []
@@ -348,3 +349,80 @@ def test_a_revoked_members_secagg_message_is_refused_by_its_host_as_by_one_aggre
         host_next += got.sends
     assert sorted(d for d, _ in one_next) == sorted(set(members) - {revoked})
     assert sorted(d for d, _ in host_next) == sorted(d for d, _ in one_next)
+
+
+def test_a_hosted_groups_refused_secagg_messages_are_counted_by_the_coordinator_as_by_one_aggregator(tmp_path, monkeypatch):
+    """A review's finding: a shard hosting a secure group logged and dropped a secagg message its
+    group's machine refused (or one that raised), unheard of by the coordinator, where one
+    aggregator's ``_on_protocol`` counts a "protocol" rejection (a late message: ``late``) and its
+    loop's last resort a "malformed" one. The same bytes go to one aggregator's service and, through
+    a shard's loop (``local._feed``), to the group's host, whose word goes to its coordinator's
+    service: a malformed message of the hosted round, a silent member's key advertisement after its
+    phase closed (late), one advertisement sent again, and one the machine raises on. Both count
+    the same, and both groups run on alike."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from aggregator.jobs.registry import build_job
+    from aggregator.service.active_job import ActiveJob
+    from aggregator.service.loop import AggregatorService
+    from aggregator.shards.local import HeldMessages, _feed
+    from aggregator.shards.shard import ShardIngest
+    from aggregator.storage.store import Store
+    from protocols.envelope import Envelope, encode
+    from protocols.mqtt_link import BrokerConfig
+    from protocols.payloads.secagg import from_envelope, to_envelope
+    from protocols.secagg import ClientSecAgg
+    from protocols.topics import Topics
+
+    members, silent = ["dev03", "dev04", "dev05", "dev06", "dev08"], "dev05"
+    coordinator_job, pool, config, keys = _sharded_coordinator(tmp_path, members, clients_per_round=len(members))
+    coordinator_job.on_protocol_tick(1.0)
+    _, _, group, context = pool.told[0]
+    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
+    host.set_job(config["job_id"], "fed3r-sync", config)
+    host.groups.open(group, context)
+    one = build_job("fed3r-sync", config)
+    assert sorted(one.next_participants(set(members))) == members
+    unconnected = BrokerConfig.from_url("mqtt://127.0.0.1:1")     # neither service runs: no broker is reached
+    quiet = SimpleNamespace(publish_envelope=lambda *args, **kwargs: None)     # what the machines send is not read here
+    one_aggregator = AggregatorService(None, unconnected, tmp_path / "one")
+    one_aggregator.active, one_aggregator.link = ActiveJob(one, "fed3r-sync", tmp_path / "one"), quiet
+    coordinator = AggregatorService(None, unconnected, tmp_path / "coordinator")    # counts a shard's word
+    told = []
+    shard_conn = SimpleNamespace(send=told.append)
+
+    adverts = {}
+    for device, env in one.on_protocol_tick(1.0):       # one client per member answers both machines alike
+        first = from_envelope(env)
+        client = ClientSecAgg(keys.devices[device], "aggregator", keys.aggregator.public_key_bytes,
+                              job_id=first.job_id, round_id=first.round_id, group_id=first.group_id)
+        [adverts[device]] = client.handle(first)
+    host.groups.tick(1.0)
+    one.member_offline(silent, 1.5)                     # the silent member: the others close the phase
+    host.groups.offline(1, silent, 1.5)
+
+    def to_both(device, env):
+        topic, payload = Topics().outbox(device), encode(env)
+        one_aggregator.loop.post(("mqtt", topic, payload))
+        one_aggregator.loop.serve_pending()
+        _feed(host, shard_conn, quiet, Topics(), HeldMessages(), (topic, payload), 2.0)
+        while told:     # as the service's wiring posts a shard's word (a forward is a device's message)
+            item = told.pop(0)
+            coordinator.loop.post(("mqtt", *item[1:]) if item[0] == "forward" else item)
+        coordinator.loop.serve_pending()
+
+    to_both("dev03", Envelope(type=SECAGG_TYPE, sender="dev03", body={"secagg": {"round_id": 1, "phase": "nonsense"}}))
+    for device in sorted(set(members) - {silent}):
+        to_both(device, to_envelope(adverts[device]))
+    assert one.secure.state.value == host.groups.job.secure.state.value == "wait_shares"
+    to_both(silent, to_envelope(adverts[silent]))       # its phase closed: late
+    to_both("dev03", to_envelope(adverts["dev03"]))     # already received: refused
+    assert type(host.groups.job) is type(one)
+    with monkeypatch.context() as patched:              # a machine's unexpected error: the last resort's
+        patched.setattr(type(one), "on_protocol", lambda *args, **kwargs: 1 / 0)
+        to_both("dev04", to_envelope(adverts["dev04"]))
+    expected = Counter({"protocol": 2, "malformed": 1})
+    assert (one_aggregator.active.stats.rejections, one_aggregator.active.stats.late) == (expected, 1)
+    assert (coordinator.stats.rejections, coordinator.stats.late) == (expected, 1)
+    assert one.secure.state.value == host.groups.job.secure.state.value == "wait_shares"

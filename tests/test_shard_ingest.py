@@ -12,7 +12,7 @@ from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.shards.buckets import NUM_BUCKETS, bucket_range, shard_of
 from aggregator.shards.coordinator_job import ShardedJob
 from aggregator.shards.partial_sums import canonical_sum, reduce_nodes
-from aggregator.shards.shard import RECEIPT, Forward, Receipt, ShardIngest
+from aggregator.shards.shard import RECEIPT, Forward, Receipt, Refused, ShardIngest
 from aggregator.storage.store import Store, StoreError
 from protocols import messages as M
 from protocols.chunking import split
@@ -263,7 +263,7 @@ def test_a_shard_receipts_only_an_id_it_holds(tmp_path):
     """A device's round already holds another result of it (sent ahead of its round, or stored
     before a kill and re-sent under a new id): the shard receipts the one it holds, with that one's
     contents, never the new id (the round's close would ask for a row no shard has and stop the
-    job). A result carrying another device's stored id is not receipted at all."""
+    job). A result carrying another device's stored id is not receipted at all: refused."""
     shard = ShardIngest(0, 2, Store(tmp_path / "s0.db"))
     shard.set_job("sharded", "fed3r", CONFIG)
     mine = [i for i in range(len(DEVICES)) if shard_of(DEVICES[i], 2) == 0]
@@ -278,7 +278,8 @@ def test_a_shard_receipts_only_an_id_it_holds(tmp_path):
     assert shard.stored == 1
     stolen = decode(result(second))
     stolen.id = f"{first:032x}"                               # the first device's id, from the second device
-    assert shard.feed(TOPICS.outbox(DEVICES[second]), encode(stolen)) is None
+    refused = shard.feed(TOPICS.outbox(DEVICES[second]), encode(stolen))   # counted by the coordinator
+    assert isinstance(refused, Refused) and refused.reason_class == "malformed" and "already stored" in refused.detail
     assert [c.device for c in shard.store.contributions("sharded", with_payload=False)] == [DEVICES[first]]
 
 

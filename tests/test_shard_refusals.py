@@ -1,6 +1,6 @@
 """What a shard refuses, as one aggregator refuses it: a revoked device's messages in an open fleet
-(one aggregator refuses a revoked sender in either fleet mode), and a device's message that raised
-in the shard (one aggregator counts it ``malformed``). Real shard processes, a real mosquitto, the
+(one aggregator refuses a revoked sender in either fleet mode), a device's message that raised
+in the shard (one aggregator counts it ``malformed``), and a result its store cannot hold. Real shard processes, a real mosquitto, the
 service's own wiring."""
 
 import shutil
@@ -40,10 +40,11 @@ class ShardedService:
             link.publish(TOPICS.presence(device), encode(M.presence_message(device, "online")), retain=True, wait=True)
         time.sleep(1.0)                             # the shard subscribes to the devices' outboxes
 
-    def send(self, device: str, round_: int) -> str:
-        """The device's (unchunked) result of ``round_``; what the shard told the coordinator of it."""
+    def send(self, device: str, round_: int, message_id: str | None = None) -> str:
+        """The device's (unchunked) result of ``round_`` (its id: ``message_id``, else one of its own);
+        what the shard told the coordinator of it."""
         env = decode(result(DEVICES.index(device), round_=round_))
-        env.id = f"{DEVICES.index(device):016x}{round_:016x}"
+        env.id = message_id or f"{DEVICES.index(device):016x}{round_:016x}"
         outbox, before = TOPICS.outbox(device), len(self.told)
         self.links[device].publish(outbox, encode(env), wait=True)
         wait_for(lambda: any(it[1] == outbox for it in self.told[before:]), timeout=10, what=f"the shard's word on {device}")
@@ -114,6 +115,32 @@ def test_a_message_that_raises_in_a_shard_is_refused_and_counted_as_one_aggregat
         blobs.unlink()
         shutil.move(blobs.with_name("moved"), blobs)
         assert run.send(DEVICES[0], 1) == "receipt"
+        assert run.pool._exited(0) is None and run.pool.restarts == 0
+    finally:
+        run.close()
+
+
+def test_a_result_its_shard_cannot_store_is_refused_and_counted_and_taken_when_re_sent(broker, tmp_path):
+    """A review's finding: a result whose store write failed with no row of its (round, device)
+    stored (its message id held by another of the job's rows) was dropped with a warning, the
+    coordinator never told. Now it is refused as a write that raises is (the test above): counted
+    ``malformed`` and not answered, so its device re-sends it, and the re-send is taken once the
+    store can hold it (the row holding its id, dev00's unaccepted round 1 result, an orphan deleted
+    at round 1's close)."""
+    run = ShardedService(broker, tmp_path, None, DEVICES[:2])
+    taken = f"{0:016x}{1:016x}"                              # dev00's round 1 result's id
+    try:
+        assert run.send(DEVICES[0], 1) == "receipt"
+        assert run.send(DEVICES[1], 2, message_id=taken) == "refused"
+        [(_, topic, detail, reason_class)] = [it for it in run.told if it[0] == "refused"]
+        assert (topic, reason_class) == (TOPICS.outbox(DEVICES[1]), "malformed") and "already stored" in detail
+        run.svc.loop.serve_pending()
+        assert run.svc.stats.rejections["malformed"] == 1
+        run.pool._send(0, ("closed", CONFIG["job_id"], 1, [], False))    # round 1 closed without dev00's result
+        shard_store = Store(run.pool.store_path(0))
+        wait_for(lambda: shard_store.contribution_of(CONFIG["job_id"], 1, DEVICES[0]) is None, what="the orphan deleted")
+        assert run.send(DEVICES[1], 2, message_id=taken) == "receipt"
+        assert shard_store.contribution_of(CONFIG["job_id"], 2, DEVICES[1]).message_id == taken
         assert run.pool._exited(0) is None and run.pool.restarts == 0
     finally:
         run.close()

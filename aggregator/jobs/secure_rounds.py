@@ -98,6 +98,13 @@ class LateProtocolMessage(EnvelopeError):
     counted as late, like a late result (a slow device's unmask share after the sum was made)."""
 
 
+def protocol_refusal(exc: EnvelopeError) -> str:
+    """How a refused secure-aggregation message is counted, by one aggregator and by the shard
+    hosting its group alike: "late" (a :class:`LateProtocolMessage`, ``ServiceStats.late``), else
+    the rejection class "protocol"."""
+    return "late" if isinstance(exc, LateProtocolMessage) else "protocol"
+
+
 CULPRITS_STATE = UNPUBLISHED_PREFIX + "secagg_culprits"      # SecureGroupRounds.culprits in a checkpoint
 
 

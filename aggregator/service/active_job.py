@@ -6,6 +6,7 @@ service loop (``aggregator/service/loop.py``) is its only writer.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,16 @@ class ServiceStats:
         if reason_class not in REJECTION_CLASSES:
             raise ValueError(f"unknown rejection class {reason_class!r}")
         self.rejections[reason_class] += 1
+
+    def count_refusal(self, reason_class: str) -> int:
+        """A refused message: "late" (a secure-aggregation message after its phase or round closed,
+        answered with silence) counts as a late result does, any other class as a rejection. The
+        level to log it at: a late message is routine (a slow device), a rejection is not."""
+        if reason_class == "late":
+            self.count_late()
+            return logging.INFO
+        self.reject(reason_class)
+        return logging.WARNING
 
     def to_dict(self) -> dict:
         return {**asdict(self), "rejections": dict(self.rejections)}

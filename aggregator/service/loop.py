@@ -74,7 +74,7 @@ from aggregator.jobs.base import Job
 from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_runner import JobRunner, RunnerServices
 from aggregator.jobs.registry import KINDS, build_job, job_kind_name
-from aggregator.jobs.secure_rounds import LateProtocolMessage
+from aggregator.jobs.secure_rounds import protocol_refusal
 from aggregator.service.recovery import open_stored
 from aggregator.service.stray_results import StrayResults
 from aggregator.service.settings import ServiceSettings
@@ -109,8 +109,7 @@ class AggregatorService(OperatorActions):
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled (_tick: expired)
         self._expired_at = 0.0
-        # inbound items: ("mqtt", topic, payload), ("receipt", topic, raw), ("refused", topic, detail) (a shard's),
-        # ("validated", ...), ("stored",), ("connected",)
+        # inbound: ("mqtt", topic, payload), a shard's "receipt" and "refused" (pool.py), ("validated", ...), ("stored",), ...
         self.loop = MessageLoop(self._dispatch, self._tick, settings.tick_s, "aggregator", self._refused, settings.inbound_bound)
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_pacing = reporting.Pacing()
@@ -184,8 +183,8 @@ class AggregatorService(OperatorActions):
     def _dispatch(self, item: tuple) -> None:
         if item[0] in ("mqtt", "receipt"):
             (self._on_payload if item[0] == "mqtt" else self._on_receipt)(item[1], item[2])
-        elif item[0] == "refused":      # a device's message raised on its shard: refused as if it had here (_refused)
-            self._reject(self.topics.device_of(item[1]) or "?", "malformed", item[2])
+        elif item[0] == "refused":      # a device's message its shard refused: counted as if refused here
+            self._reject(self.topics.device_of(item[1]) or "?", item[3], item[2])
         elif item[0] == "validated":
             self._on_validated(*item[1:])
         elif item[0] == "stored" and self.runner is not None:
@@ -404,11 +403,8 @@ class AggregatorService(OperatorActions):
         """A message of the job's secure-aggregation sub-protocol."""
         try:
             sends = self.active.job.on_protocol(device, env, time.monotonic())
-        except LateProtocolMessage as exc:
-            self._stats().late += 1
-            return log.info("late secure-aggregation message from %s: %s", device, exc)
-        except EnvelopeError as exc:
-            return self._reject(device, "protocol", str(exc))
+        except EnvelopeError as exc:      # a shard hosting the group counts its refusals alike (shard_groups.py)
+            return self._reject(device, protocol_refusal(exc), str(exc))
         for dev, msg in sends:
             self._send(dev, msg)
 
@@ -417,8 +413,8 @@ class AggregatorService(OperatorActions):
             self.runner.device_lost(device)
 
     def _reject(self, device: str, reason_class: str, detail: str = "") -> None:
-        self._stats().reject(reason_class)
-        log.warning("rejected message from %s: %s%s", device, reason_class, f": {detail}" if detail else "")
+        level = self._stats().count_refusal(reason_class)      # "late" (a secure-aggregation message's): info
+        log.log(level, "rejected message from %s: %s%s", device, reason_class, f": {detail}" if detail else "")
 
     def _stats(self) -> ServiceStats:
         return self.active.stats if self.active is not None else self.stats

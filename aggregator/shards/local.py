@@ -28,7 +28,7 @@ from protocols.topics import AGGREGATOR_ID, Topics
 from aggregator.compute.fork_server import fork_server_context
 from aggregator.shards.buckets import shard_role
 from aggregator.shards.pool import ShardPool
-from aggregator.shards.shard import Forward, Publish, Receipt, ShardIngest
+from aggregator.shards.shard import Forward, Publish, Receipt, Refused, ShardIngest
 from aggregator.storage.store import Store
 
 log = logging.getLogger("fedfleet.aggregator.shard")
@@ -139,8 +139,10 @@ def _feed(ingest: ShardIngest, conn, link: MqttLink, topics: Topics, held: HeldM
         # refused, and said to the coordinator, which counts it as one aggregator counts a message
         # that raised on its path (``AggregatorService._refused``): it was dropped unheard of
         log.exception("shard %d: a message on %s raised; refused", ingest.index, topic)
-        return conn.send(("refused", topic, f"shard {ingest.index}: {exc!r}"[:300]))
-    if isinstance(out, Receipt):
+        out = Refused(topic, "malformed", repr(exc))
+    if isinstance(out, Refused):        # counted by the coordinator, as one aggregator counts it
+        conn.send(("refused", out.topic, f"shard {ingest.index}: {out.detail}"[:300], out.reason_class))
+    elif isinstance(out, Receipt):
         conn.send(("receipt", out.topic, out.raw))
     elif isinstance(out, Forward):
         # a chunk of a device not admitted here: the coordinator's to judge, handed back once at most

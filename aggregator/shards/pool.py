@@ -20,8 +20,9 @@ request, job_id, accepted, context)``, ``("group_open", round config, hosting co
 "group_abort", round, device | reason)``, ``("stop",)``; shard → coordinator: ``("ready",)`` once
 connected to the broker, ``("receipt", topic, raw)``, ``("forward", topic, payload)``, ``("unadmitted", topic, payload)`` (a
 message of a device the shard had not been told was admitted, or whose key it lacks: handed back if it is),
-``("refused", topic, detail)`` (a device's message that raised there: refused, as one that raises on the
-coordinator's path), ``("sums",
+``("refused", topic, detail, reason class)`` (a device's message refused there, counted by the coordinator
+as one aggregator counts it: one that raised, "malformed"; a hosted group's refused secagg message,
+"protocol" or "late"; a result its store could not hold, "malformed"), ``("sums",
 request, node sums or statistics, or the reason it has none)``, ``("group", job_id, "refused", round, culprits,
 {member: why})`` (members a hosted secure group refused, as it refuses them), ``("group", job_id, "sum", round,
 culprits, total, survivors)`` or ``("group", job_id, "failed", round, culprits, reason)`` (a hosted secure group's end,

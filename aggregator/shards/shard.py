@@ -14,7 +14,9 @@ coordinator must be told (``local.py`` moves the bytes: MQTT in, a pipe out). Wh
   and which is deleted once the coordinator closed its round (``drop_orphans``);
 * everything else it is not sure of (presence, declines, artifact requests, results of another
   job, a result that fails validation) goes to the coordinator as the whole message's bytes, to
-  be judged (and refused with its reason) on the coordinator's ordinary path.
+  be judged (and refused with its reason) on the coordinator's ordinary path;
+* what it refuses itself (a hosted group's machine refused a secagg message; a result its store
+  cannot hold) is a *refusal*, which the coordinator counts as one aggregator counts the message.
 
 For a secure job (``secure_groups.py``) a shard receipts nothing: it hosts the SecAgg groups its
 coordinator places on it (``shard_groups.py``), reading their members' outboxes too, and takes
@@ -44,6 +46,7 @@ from protocols.payloads.secagg import SECAGG_TYPE
 from protocols.topics import Topics
 
 from aggregator.jobs.registry import build_job
+from aggregator.jobs.secure_rounds import protocol_refusal
 from aggregator.security.fleet import verify_enrolled
 from aggregator.shards.buckets import bucket_of, bucket_range
 from aggregator.shards.group_placement import SecureGroupPlacement
@@ -96,6 +99,16 @@ class Admission:
 class Publish:
     """Messages of a secure group this shard hosts, for its members' inboxes (``shard_groups.py``)."""
     sends: list[tuple[str, Envelope]]
+
+
+@dataclass
+class Refused:
+    """A device's message refused here, unanswered (a result's device re-sends it): the coordinator
+    counts it as one aggregator counts that refusal. ``reason_class``: one of its rejection classes
+    (``active_job.REJECTION_CLASSES``), or "late" (a hosted group's late secagg message)."""
+    topic: str
+    reason_class: str
+    detail: str
 
 
 @dataclass
@@ -183,7 +196,7 @@ class ShardIngest:
         if public_key is not None:
             self.registry.enroll(device, public_key)
 
-    def feed(self, topic: str, payload: bytes, now: float = 0.0) -> Forward | Receipt | Publish | None:
+    def feed(self, topic: str, payload: bytes, now: float = 0.0) -> Forward | Receipt | Publish | Refused | None:
         device = self.topics.device_of(topic)
         if device is None or not topic.endswith("/out") or not self.reads(device):
             # another bucket's device: a secure job's shard reads it only for a group it hosts (a
@@ -206,14 +219,18 @@ class ShardIngest:
             # in) or this store; its own shard hands it back to be refused with the reason
             return Forward(topic, raw, not_admitted=True) if self.owns(device) else None
         if self.groups is not None and env.type == SECAGG_TYPE and env.sender == device:
-            return Publish(self.groups.feed(device, env, now))      # never the coordinator's: it holds no group
+            try:
+                return Publish(self.groups.feed(device, env, now))      # never the coordinator's: it holds no group
+            except EnvelopeError as exc:    # the hosted group's machine refused it: counted as one aggregator's
+                log.info("shard %d: secagg message from %s refused: %s", self.index, device, exc)
+                return Refused(topic, protocol_refusal(exc), str(exc))
         if not self.owns(device):
             return None             # a group member of another bucket: its own shard forwards this
         if env.type != M.RESULT or self.job_id is None or env.sender != device:
             return Forward(topic, raw)
         return self._result(topic, device, env, raw, nbytes)
 
-    def _result(self, topic: str, device: str, env: Envelope, raw: bytes, nbytes: int) -> Forward | Receipt | None:
+    def _result(self, topic: str, device: str, env: Envelope, raw: bytes, nbytes: int) -> Forward | Receipt | Refused:
         try:
             ref, kind = M.parse_result_ref(env)
             if (ref.job != self.job_id or self.groups is not None
@@ -229,11 +246,15 @@ class ShardIngest:
         try:
             self.store.add_contribution(self.job_id, ref.round, device, env.id, raw)
             self.stored += 1
-        except StoreError:          # stored before (a re-send): receipted again, never stored twice
+        except StoreError as exc:   # stored before (a re-send): receipted again, never stored twice
             stored = self.store.contribution_of(self.job_id, ref.round, device)
-            if stored is None:      # the id is another device's (or the store failed): nothing to receipt
+            if stored is None:
+                # Its id is held by another of the job's rows (another device's, another round's):
+                # nothing to receipt. Refused as a write that raises here is (``local._feed``), and
+                # unanswered, as one aggregator answers nothing to a result whose write failed: the
+                # device re-sends it, taken once the store can hold it (that row an orphan deleted).
                 log.warning("shard %d: result %s of %s not stored, not receipted", self.index, env.id, device)
-                return None
+                return Refused(topic, "malformed", f"result not stored: {exc}")
             if stored.message_id != env.id:
                 # The shard holds another result of the device for this round (stored before a kill,
                 # or sent ahead of its round): only what it holds can be summed, so that is what it

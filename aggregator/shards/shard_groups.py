@@ -6,7 +6,8 @@ job's own (:class:`~aggregator.jobs.secure_rounds.SecureGroupRounds`, built by t
 job's config, so with the aggregator's identity and the enrolled keys its files name), whose
 unmasked sum is handed on (:attr:`~aggregator.jobs.secure_rounds.SecureGroupRounds.hand_sums_to`)
 instead of applied. Each call returns the ``(device, envelope)`` pairs to publish (signed with the
-aggregator's identity, :attr:`signer`); :meth:`outcomes` what the coordinator must be told: the
+aggregator's identity, :attr:`signer`), and a message its machine refuses raises (:meth:`feed`: the
+shard tells the coordinator, which counts it); :meth:`outcomes` what the coordinator must be told: the
 members the group refused, as it refuses them (``("group", job_id, "refused", round, culprits,
 {member: why})``, a copied public key: the round log's ``secure_refused``, as one aggregator's), and
 once the group ended ``("group", job_id, "sum", round, culprits, total, survivors)`` or ``("group",
@@ -21,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from protocols.envelope import Envelope, EnvelopeError
+from protocols.envelope import Envelope
 from protocols.secagg import RoundConfig, SecAggError
 
 from aggregator.jobs.secure_rounds import SecureGroupRounds
@@ -60,17 +61,16 @@ class ShardGroups:
         return sends
 
     def feed(self, device: str, env: Envelope, now: float) -> Sends:
-        """A member's secagg message: into the machine (refused: logged, dropped). A message for a
-        group hosted elsewhere, or ended, is dropped: its own shard reads it too."""
-        if self.held is None:
+        """A secagg message naming the hosted group's round: into the machine, which answers for it.
+        One it refuses raises EnvelopeError (:class:`~aggregator.jobs.secure_rounds.LateProtocolMessage`:
+        a late one), as anything else it raises does: the shard's caller tells the coordinator, which
+        counts it as one aggregator's ``_on_protocol`` (or its loop's last resort) counts it. A
+        message naming another round (a group hosted elsewhere, or ended) or none is dropped here
+        uncounted: its round's host, if any, reads it too, and only one shard may count it."""
+        header = env.body.get("secagg")
+        if self.held is None or not isinstance(header, dict) or header.get("round_id") != self.held:
             return []
-        try:
-            return self.job.on_protocol(device, env, now)
-        except EnvelopeError as exc:
-            log.info("shard %d: secagg message from %s dropped: %s", self.index, device, exc)
-        except Exception:       # last resort, as the coordinator's for any message: one sender cannot end the shard
-            log.exception("shard %d: secagg message from %s raised: dropped", self.index, device)
-        return []
+        return self.job.on_protocol(device, env, now)
 
     def tick(self, now: float) -> Sends:
         return self.job.on_protocol_tick(now)
