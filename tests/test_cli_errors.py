@@ -23,6 +23,7 @@ def files(tmp_path_factory):
     (d / "float-huge.json").write_text('{"lam": 1' + "0" * 400 + "}")
     (d / "sim-float-huge.json").write_text('{"alpha": 1' + "0" * 400 + "}")
     (d / "wide.json").write_text(json.dumps({"num_classes": 20_000, "feature_dim": 1280}))
+    (d / "complete-sync.json").write_text(json.dumps({"graph": "complete", "clients_per_round": 642}))
     (d / "list.json").write_text("[1, 2]")
     (d / "state.db.keys").write_text("a file where the store's key folder goes")
     (d / "deep.json").write_text("[" * 100_000)
@@ -66,6 +67,11 @@ CASES = [
     # a review's finding: a task larger than any device takes was served, and declined by them all
     ("serve: a task no device takes", ["aggregator", "serve", "--out", "{d}/o", "--kind", "scaffold", "--config",
                                        "{d}/wide.json", "--broker", "mqtt://127.0.0.1:1"], "a device takes in one message"),
+    # a review's finding: a secure vector whose rounds ask a device more masks than it expands was
+    # served, and refused when the job was built (tests/test_secure_vector_at_create.py: the API)
+    ("serve: a secure round no device masks", ["aggregator", "serve", "--out", "{d}/o", "--kind", "fed3r-sync",
+                                               "--config", "{d}/complete-sync.json", "--broker", "mqtt://127.0.0.1:1"],
+     "644 masks of 833932 words"),
     # a review's finding: the store's default key folder (STATE.keys) was not checked at start
     ("serve: the store's key folder is a file", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                                  "--state", "{d}/state.db", "--broker", "mqtt://127.0.0.1:1"],

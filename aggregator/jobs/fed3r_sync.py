@@ -43,7 +43,7 @@ from aggregator.strategies.dp_fed3r import (CalibratedSSP, DistributedSSP, Fed3R
                                             UniformGaussian, row_norm_bound)
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.secure_fields import SecureAggregationFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length
+from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, config_vector_length
 from aggregator.strategies.robust_fed3r import FeatureBound, check_group_sum
 
 
@@ -66,6 +66,13 @@ class Fed3RSyncConfig(Fed3RConfig, SecureAggregationFields):
         if self.ring_bits != RING_BITS:
             # the statistics' bound N max(F², F) leaves a 32-bit ring almost no fractional bits
             raise ValueError(f"fed3r-sync sums in the {RING_BITS}-bit ring: its statistics need the precision")
+
+    def secure_vector_length(self) -> int:
+        """[packed A (p x p, upper triangle) | B (C x p) | n]: all the config's (p: the features and the bias)."""
+        return sync_vector_length(self.p, self.num_classes)
+
+    def secure_vector_remedy(self) -> str:
+        return f"fewer classes (num_classes) or a smaller {self.head_inputs_field} (p x p and C x p statistics)"
 
     def task_params(self) -> Fed3RStatsParams:
         return dataclasses.replace(super().task_params(), format="dense", dtype="float64", max_samples=self.max_samples)
@@ -110,7 +117,7 @@ class Fed3RSyncJob(SecureGroupRounds, Fed3RJob):
         # half the coarsest fixed-point step a plain round can have (its largest group: stragglers
         # join the last one): how far each member's entry may be from its exact statistic
         self._resolution = 2.0 ** -(max_scale_bits(config.clients_per_round + MIN_GROUP - 1, self.bound, RING_BITS) + 1)
-        self.vector_length = checked_vector_length(sync_vector_length(config.p, config.num_classes), config)
+        self.vector_length = config_vector_length(config)
         self.group_samples: list[int] = []
         self._round_dp: dict | None = None
 

@@ -107,6 +107,12 @@ class FedAvgConfig(ServerOptimizerFields, LocalRuleFields, ServedModelFields, Fe
     def task_tensors(self) -> dict[str, TensorShape]:
         return self.head_task_tensors()         # FedAvgJob.task_for: the head (a tail kind's tail besides)
 
+    def trained_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """The tensors a device trains and sends back, in wire order, with their shapes
+        (``FedAvgJob.trained_shapes``): the head's, from the config alone, so a secure kind's vector
+        is known before its job is built; None where the initial model says (a tail program)."""
+        return {name: shape for name, (_, shape) in self.head_task_tensors().items()}
+
     @property
     def device_lr(self) -> float:
         return self.client_lr * self.device_lr_factor
@@ -241,8 +247,9 @@ class FedAvgJob(Job):
 
     # ------------------------------------------------------------------ results
     def trained_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The tensors a device trains and sends back, in wire order, with their shapes."""
-        return {"weight": self.params["weight"].shape, "bias": self.params["bias"].shape}
+        """The tensors a device trains and sends back, in wire order, with their shapes (the
+        config's: the head built here has its shape)."""
+        return self.config.trained_shapes()
 
     def parse_result(self, env: Envelope) -> RoundUpdate:
         update = parse_head_update(env, self.config.num_classes, self.config.feature_dim)

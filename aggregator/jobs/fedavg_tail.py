@@ -52,6 +52,10 @@ class TailFedAvgConfig(FedAvgConfig):
         if not self.tail_program_file:
             raise ValueError("a fedavg-tail job needs tail_program_file (the bundle's tail_eval.pt2)")
 
+    def trained_shapes(self) -> None:
+        """The tail's tensors are the tail program's (``TailFedAvgJob.trained_shapes``, once it is read)."""
+        return None
+
 
 class TailFedAvgJob(FedAvgJob):
     """FT(φ)/FT(M) (see the module docstring); ``kind``: the wire kind of its tasks (Scaffold on

@@ -49,6 +49,10 @@ class PartialConfig(FedAvgConfig, DeviceStateFields, HeldoutReportFields):
                              f"prox_mu {self.prox_mu} would not be applied (FedAvg, Scaffold, FedGloSS and Ditto "
                              "take them)")
 
+    def trained_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shared part u only: each device's v_k stays on it."""
+        return {name: shape for name, shape in super().trained_shapes().items() if name in SHARED}
+
 
 class PartialPersonalizationJob(PersonalWmaJob, StatefulDevicesJob, FedAvgJob):
     """FedSim / FedAlt with personal v_k = bias on the devices (see the module docstring)."""
@@ -65,9 +69,6 @@ class PartialPersonalizationJob(PersonalWmaJob, StatefulDevicesJob, FedAvgJob):
         return PartialParams.extending(super().task_params(device), algorithm=c.pp_algorithm,
                                        personal_epochs=c.personal_epochs, job_id=c.job_id,
                                        state=c.binding(self.device_state.run, self.round))
-
-    def trained_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: self.params[name].shape for name in SHARED}
 
     def parse_result(self, env: Envelope) -> RoundUpdate:
         update = parse_partial_update(env, self.config.num_classes, self.config.feature_dim)

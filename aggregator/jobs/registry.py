@@ -46,6 +46,8 @@ from aggregator.jobs.personalize import PersonalizeConfig, PersonalizeJob
 from aggregator.jobs.secure_fedavg import (SecureDittoConfig, SecureDittoJob, SecureFedAvgConfig, SecureFedAvgJob,
                                            SecurePartialConfig, SecurePartialJob, SecureTailFedAvgConfig,
                                            SecureTailFedAvgJob)
+from aggregator.jobs.secure_fields import SecureAggregationFields
+from aggregator.jobs.secure_rounds import config_vector_length
 from aggregator.jobs.secure_scaffold import SecureScaffoldConfig, SecureScaffoldJob
 from aggregator.jobs.secure_ladd import SecureLaddConfig, SecureLaddJob
 from aggregator.jobs.task_size import check_task_fits
@@ -159,11 +161,15 @@ def validate_job_config(kind: str, config: dict) -> None:
 
 
 def checked_config(kind: str, config: dict):
-    """The config object of ``config``: its fields, their cross-field rules, and its task held to
-    what a device takes in one message (``aggregator/jobs/task_size.py``)."""
+    """The config object of ``config``: its fields, their cross-field rules, its task held to
+    what a device takes in one message (``aggregator/jobs/task_size.py``), and a secure kind's
+    vector to what SecAgg sums and a device masks, where the config alone says its length
+    (``secure_rounds.config_vector_length``: the job's own check, before anything is stored)."""
     validate_job_config(kind, config)
     built = kind_of(kind).config_cls(**config)
     check_task_fits(kind, built)
+    if isinstance(built, SecureAggregationFields):
+        config_vector_length(built)
     return built
 
 

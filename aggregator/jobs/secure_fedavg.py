@@ -39,7 +39,8 @@ from aggregator.jobs.fedavg_tail import TailFedAvgConfig, TailFedAvgJob
 from aggregator.jobs.partial import PartialConfig, PartialPersonalizationJob
 from aggregator.jobs.robustness_fields import SecureUpdateBoundFields
 from aggregator.jobs.secure_fields import SecureUpdateFields
-from aggregator.jobs.secure_rounds import MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length
+from aggregator.jobs.secure_rounds import (MIN_GROUP, GroupSumOutOfBound, SecureGroupRounds, checked_vector_length,
+                                          config_vector_length)
 from aggregator.strategies.robust_fedavg import check_dp_group_sum, check_group_mean, check_weighted_group_sum
 
 
@@ -53,6 +54,13 @@ class SecureFedAvgConfig(FedAvgConfig, SecureUpdateFields, SecureUpdateBoundFiel
     direction_screen: bool = False
     history_momentum: float = 0.0
 
+    # the vector's length for the tensors a device trains: [n·t_1 | … | n·t_m | n] (Scaffold's adds Δc)
+    pack_length = staticmethod(weighted_length)
+
+    def secure_vector_length(self) -> int | None:
+        shapes = self.trained_shapes()        # None for a tail kind: the tail program's tensors
+        return None if shapes is None else self.pack_length(shapes)
+
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
     secure_kind = SECURE_FEDAVG_KIND
@@ -63,7 +71,9 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         super(SecureGroupRounds, self).__init__(config, initial_head=initial_head, **model)
         self.kind = self.secure_kind
         self._init_secure(identity, registry)
-        self.vector_length = checked_vector_length(weighted_length(self.trained_shapes()), config)
+        # a tail kind's length is known once its tail program is read (here); a head's, from the config
+        self.vector_length = config_vector_length(config) or checked_vector_length(
+            config.pack_length(self.trained_shapes()), config, config.secure_vector_remedy())
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)
         self._sum: tuple[dict[str, np.ndarray], int, int] | None = None     # (mean, updates, Σ n) of the round
         self._round_dp: dict | None = None

@@ -65,6 +65,17 @@ class SecureAggregationFields(JobConfig):
             raise ValueError("dp_group_threshold applies to distributed DP only: set dp_noise_multiplier > 0, "
                              "or leave dp_group_threshold at 0")
 
+    def secure_vector_length(self) -> int | None:
+        """The length of the vector each member masks, from the config alone, or None where it takes
+        the initial model (a tail program's tensors, LADD's network): a config that says it is held
+        to SecAgg's limits wherever it is accepted (``secure_rounds.config_vector_length``: the
+        admin API, ``aggregator serve --config``), not first when the stored job is built."""
+        return None
+
+    def secure_vector_remedy(self) -> str:
+        """What shortens this kind's secure vector, said (with the fields to change) when it is refused."""
+        return "train a smaller model (num_classes x feature_dim)"
+
     def group_threshold(self, members: int) -> int:
         """t of a distributed-DP group of ``members``: SecAgg's ⌈2κ/3⌉, or more (``dp_group_threshold``)."""
         return threshold_at_least(members, self.dp_group_threshold)

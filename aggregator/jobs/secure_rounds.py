@@ -71,6 +71,14 @@ def checked_vector_length(length: int, config: SecureAggregationFields,
     return length
 
 
+def config_vector_length(config: SecureAggregationFields) -> int | None:
+    """``config.secure_vector_length()`` held to ``checked_vector_length``'s limits, or None where
+    the length takes the initial model (checked when the job is built from it). The registry's
+    ``checked_config`` calls it, so every entry point that accepts a config refuses one the job
+    would refuse when built, before anything is stored; the jobs call it for their own length."""
+    length = config.secure_vector_length()
+    return None if length is None else checked_vector_length(length, config, config.secure_vector_remedy())
+
 
 KEPT_ROUNDS = 64        # the latest rounds a job's per-round bookkeeping keeps unread
 

@@ -33,12 +33,13 @@ from protocols.rounds import RoundClosed
 
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
 from aggregator.jobs.secure_fedavg import SecureFedAvgConfig, SecureFedAvgJob
-from aggregator.jobs.secure_rounds import GroupSumOutOfBound, checked_vector_length
+from aggregator.jobs.secure_rounds import GroupSumOutOfBound
 
 
 @dataclass
 class SecureScaffoldConfig(SecureFedAvgConfig, ScaffoldConfig):
     job_id: str = "scaffold-secure"
+    pack_length = staticmethod(controlled_length)         # [n·y | Δc | n]
 
 
 def check_control_sum(deltas: dict[str, np.ndarray], members: int, clip_norm: float) -> None:
@@ -56,7 +57,6 @@ class SecureScaffoldJob(SecureFedAvgJob, ScaffoldJob):
     def __init__(self, config: SecureScaffoldConfig, initial_head: dict[str, np.ndarray] | None = None,
                  identity=None, registry=None):
         super().__init__(config, initial_head=initial_head, identity=identity, registry=registry)
-        self.vector_length = checked_vector_length(controlled_length(self.trained_shapes()), config)
         self.bound = max(self.bound, float(config.control_clip_norm))
         self._control_sum: tuple[dict[str, np.ndarray], int] | None = None    # (Σ Δc, |S|) of the round
 
