@@ -137,7 +137,7 @@ def _summary(manifest_path: Path) -> str:
             measured = (f"{spec.details['quantization']['mode']}: relative L2 error vs eager fp32 "
                         f"{parity['relative_l2_error']:.3f}, min cosine "
                         f"{parity['min_cosine_similarity']:.3f}")
-        elif spec.kind == "inference":
+        elif "max_abs_error" in parity:     # inference, trunk and tail_eval programs (outputs vs eager)
             measured = f"max abs error vs eager {parity['max_abs_error']:.2e}"
         else:
             measured = (f"gradient error {parity['gradient_max_abs_error']:.2e}, "

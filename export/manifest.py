@@ -17,12 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from protocols.bundle_manifest import (
+    FORMAT_NAME,
     MANIFEST_FILENAME,
     ArtifactSpec,
     BatchSpec,
     Manifest,
+    ManifestError,
     TensorSpec,
+    read_manifest_bytes,
 )
+from protocols.envelope import parse_strict_json
 
 __all__ = ["describe_artifact", "write_bundle"]
 
@@ -43,8 +47,9 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
     """Write ``files`` and the manifest to ``out_dir``; returns the manifest's path.
 
     Refuses to touch an existing non-empty ``out_dir`` unless ``overwrite``, and even then one that
-    holds no bundle (no manifest.json): ``--overwrite`` replaces an earlier export, never a folder
-    of the user's (a review found ``--out ~/thesis --overwrite`` deleted the thesis).
+    holds no earlier export (:func:`_holds_earlier_export`): ``--overwrite`` replaces an earlier
+    export, never a folder of the user's (a review found ``--out ~/thesis --overwrite`` deleted the
+    thesis).
     """
     out_dir = Path(out_dir)
     listed = {spec.file for spec in manifest.artifacts}
@@ -58,9 +63,9 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
     if out_dir.is_dir() and any(out_dir.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
-        if not (out_dir / MANIFEST_FILENAME).is_file():
-            raise FileExistsError(f"{out_dir} is not empty and holds no bundle ({MANIFEST_FILENAME}): "
-                                  "--overwrite replaces an earlier export only")
+        if not _holds_earlier_export(out_dir):
+            raise FileExistsError(f"{out_dir} is not empty and holds no bundle (a {MANIFEST_FILENAME} that "
+                                  f"fedfleet export wrote): --overwrite replaces an earlier export only")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
@@ -84,6 +89,23 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir / MANIFEST_FILENAME
+
+
+def _holds_earlier_export(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds what this module writes: a manifest.json (a regular file, not a link)
+    whose ``format`` is ours. Any file of that name was taken for one, and ``manifest.json`` is a common
+    name (browser extensions, web apps, other tools' folders): a review found ``--overwrite`` deleted
+    such a folder whole. Not a full validation, so a bundle of an older format version is still
+    replaced."""
+    path = out_dir / MANIFEST_FILENAME
+    if path.is_symlink():       # write_bundle never writes one: a link names someone else's bundle
+        return False
+    try:
+        _, raw = read_manifest_bytes(path)
+        data = parse_strict_json(raw)
+    except (ManifestError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT_NAME
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -79,9 +79,14 @@ def check_parameter_dict(values: object, shapes: dict[str, tuple[int, ...]]) -> 
             raise ValueError(f"parameter {name!r} must have shape {shape}, got {value.shape}")
         if not np.issubdtype(value.dtype, np.floating):
             raise ValueError(f"parameter {name!r} must be floating point, got {value.dtype}")
-        if not np.isfinite(value).all():
-            raise ValueError(f"parameter {name!r} contains NaN or infinite values")
-        checked[name] = np.array(value, dtype=np.float32, order="C")
+        # finite as the float32 the programs hold: a float64 beyond float32's range (3.4e38) cast to inf,
+        # and an exported training program started from an infinite head past its parity check (which
+        # sets parameters of its own) - a review's finding
+        with np.errstate(over="ignore"):
+            as_float32 = np.array(value, dtype=np.float32, order="C")
+        if not np.isfinite(as_float32).all():
+            raise ValueError(f"parameter {name!r} contains NaN or infinite values (as float32)")
+        checked[name] = as_float32
     return checked
 
 
