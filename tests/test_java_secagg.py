@@ -11,7 +11,7 @@ server (protocols/secagg/driver.py), over its wire form (signed `secagg` envelop
 * a share row it cannot decrypt is accused (ShareAccusation) and the device stays in the round
   without that peer's shares;
 * a hostile server is refused: a request for both shares of one peer (the round is aborted and
-  nothing revealed), a key directory with a substituted key, a message not signed by the
+  nothing revealed), forwarded shares of too few neighbours to mask with (no masked input), a key directory with a substituted key, a message not signed by the
   aggregator's key (refused, nothing changes).
 
 The Java client runs in its own JVM behind tests/java_device/SecAggBridge.java.
@@ -36,8 +36,8 @@ from protocols.secagg import ClientSecAgg, ClientState, RoundConfig
 from protocols.secagg.driver import plain_fixed_point_sum, run_round
 from protocols.secagg.errors import ProtocolViolation, SecAggError
 from protocols.secagg.events import AggregateReady, Phase
-from protocols.secagg.messages import (MESSAGE_DOMAIN, ConsistencyCheckRequest, EncryptedShares, KeyDirectory, RoundStart,
-                                       UnmaskRequest)
+from protocols.secagg.messages import (MESSAGE_DOMAIN, ConsistencyCheckRequest, EncryptedShares, ForwardedShares,
+                                       KeyDirectory, RoundStart, UnmaskRequest)
 from protocols.secagg.wire_fields import b64
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
@@ -189,6 +189,14 @@ def impostor_signed(msg):
     return [msg.signed(DeviceIdentity.generate("aggregator"))]
 
 
+def no_shares_forwarded(msg):
+    """ForwardedShares naming none of the Java device's neighbours (its others are told it sent
+    theirs): masked with its self mask alone, its input would be read once they reveal b_u."""
+    if not isinstance(msg, ForwardedShares) or msg.recipient != JAVA:
+        return [msg]
+    return [dataclasses.replace(msg, senders=(), ciphertexts=msg.ciphertexts[:0]).signed(AGGREGATOR)]
+
+
 def split_survivors(config):
     """SecAgg+: the survivor set shown to the Java device leaves out two runs of k/2 ring
     neighbours around it, which would split the survivors' graph into parts whose sums unmask."""
@@ -221,6 +229,7 @@ def test_java_client_refuses_survivors_whose_graph_falls_apart(tmp_path):
 
 @pytest.mark.parametrize("attack, refusal, state", [
     (both_shares, "ProtocolViolation request asks for both shares", ClientState.ABORTED),
+    (no_shares_forwarded, "ProtocolViolation only 0 neighbours' shares forwarded", ClientState.ABORTED),
     (substituted_key, "SecAggError", ClientState.ADVERTISED),
     (impostor_signed, "SecAggError", ClientState.ADVERTISED)])
 def test_java_client_refuses_a_hostile_server(tmp_path, attack, refusal, state):
@@ -234,6 +243,8 @@ def test_java_client_refuses_a_hostile_server(tmp_path, attack, refusal, state):
     assert java.state is state and any(who == JAVA for who, _ in run.errors)
     sent = {f.to_message().TYPE for f in run.server_view if f.to_message().sender == JAVA}
     assert "secagg.unmask_shares" not in sent         # nothing revealed to a hostile server
+    if attack is no_shares_forwarded:                 # nor its input masked with b_u alone
+        assert "secagg.masked_input" not in sent
     if state is ClientState.ADVERTISED:               # the directory was refused: no shares went out
         assert sent == {"secagg.advertise_keys"}
 

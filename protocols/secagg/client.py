@@ -299,6 +299,13 @@ class ClientSecAgg:
     def _on_forwarded_shares(self, message: ForwardedShares) -> list[Message]:
         if not set(message.senders) <= self._neighbours:
             raise ProtocolViolation("forwarded shares from devices that are not graph neighbours")
+        if len(message.senders) + 1 < self.config.share_threshold:
+            # y_u would carry too few pair masks: with none, y_u = x_u + PRG(b_u), and the other
+            # holders (told u sent shares) reveal b_u at the unmasking (a review's finding). With
+            # fewer holders than t', b_u could not be rebuilt anyway: an honest round cannot need it
+            raise ProtocolViolation(f"only {len(message.senders)} neighbours' shares forwarded: fewer than "
+                                    f"share threshold {self.config.share_threshold} holders, this device's input "
+                                    "would be unmaskable alone")
         if message.ciphertexts.shape[1] != SHARE_CIPHERTEXT_BYTES:
             raise MalformedMessage(f"share ciphertexts must be {SHARE_CIPHERTEXT_BYTES} bytes wide")
         if self._encoded_input is None:

@@ -277,6 +277,10 @@ public final class ClientSecAgg {
         byte[][] cts = rows(m, "ciphertexts", CIPHERTEXT_BYTES);
         if (cts.length != senders.size()) throw new SecAggException("ciphertexts: " + cts.length + " rows for " + senders.size() + " senders");
         if (!neighbours.containsAll(senders)) throw new ProtocolViolation("forwarded shares from devices that are not graph neighbours");
+        // too few pair masks (none: y_u = x_u + PRG(b_u), b_u revealed by the other holders): as client.py
+        if (senders.size() + 1 < config.shareThreshold)
+            throw new ProtocolViolation("only " + senders.size() + " neighbours' shares forwarded: fewer than share threshold "
+                    + config.shareThreshold + " holders, this device's input would be unmaskable alone");
         Map<String, byte[][]> got = new HashMap<>();
         List<String> bad = new ArrayList<>();
         for (int i = 0; i < senders.size(); i++) {
