@@ -5,7 +5,10 @@ has its own topics, ``protocols/payloads/deployment.py``), with one active deplo
 
 * each tick it publishes a signed, retained ``run`` assignment to every device of the current
   stage that was not sent one yet (known, not revoked devices; offline ones get it on reconnect),
-  and feeds the machine the reports of that stage's devices;
+  and feeds the machine the reports of that stage's devices. It looks at every device of the fleet
+  only when the deployments or the stage changed; else at the devices that changed since the last
+  tick (enrolled, revoked, tagged: ``FleetView``; sent an assignment; reported), as every other
+  device's answer is the one it had then: nothing to send;
 * it answers head fetches (``artifact.get`` on a device's deploy outbox) with the head's bytes;
 * it stores each report, each assignment sent and each state change (``DeploymentStore``) before
   acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing (each
@@ -40,6 +43,7 @@ from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, 
 from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
 
 from aggregator.deployments.cohort import CohortRule, parse_percent
+from aggregator.deployments.fleet_view import FleetView
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
 from aggregator.jobs.config_limits import JOB_ID_RE
 from aggregator.deployments.machine import (ACTIVE, Assign, Deployment, DeploymentState, Halt, Promote, RollBack,
@@ -102,6 +106,14 @@ class DeploymentController(LinkWorker):
         self.settled: Served | None = None       # the last completed: the version of every device not in a canary
         self.last = self.table.last_assignments()   # device -> (deployment, seq) it was last sent
         self._counts: dict[tuple[str, str], int] = {}    # counters not yet stored: (deployment, name) -> n
+        self.fleet = FleetView(store)
+        # the rollout's view since its last pass over the whole fleet (_roll_out): what it was for
+        # (active, settled, stage; None: a pass over the whole fleet is due), the devices that changed
+        # since the last tick, and the active stage's members and those of them whose reports it reads
+        self._planned: tuple[Served | None, Served | None, int] | None = None
+        self._dirty: set[str] = set()
+        self._members: set[str] = set()
+        self._reporting: set[str] = set()
         # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
         broker = broker.for_role(CONTROLLER_ROLE)
         self.link = MqttLink(client_id or broker.username or AGGREGATOR_ID + ".deployments", broker, on_message=self._post,
@@ -245,6 +257,13 @@ class DeploymentController(LinkWorker):
         if active is None and self.settled is None:
             return                      # nothing to assign: no reading the whole fleet every tick
         fleet = self._fleet()
+        plan, planned = (active, self.settled, active.dep.stage if active else 0), self._planned
+        whole = planned is None or planned[0] is not active or planned[1] is not self.settled or planned[2] != plan[2]
+        # every device's answer when the deployments or the stage changed, else the changed devices'
+        # (every other one's is what it was at the last tick: nothing to send); a tick that raises
+        # midway leaves None: the next one looks at every device again
+        self._planned, dirty, self._dirty = None, self._dirty, set()
+        looked_at = fleet if whole else [d for d in dirty if d in fleet]
         if self.settled is not None:
             # every device outside the canary whose last assignment is not the settled version's run:
             # new to the fleet, or told to roll back a deployment. A rollback alone reverts a device
@@ -254,18 +273,36 @@ class DeploymentController(LinkWorker):
             # so does one whose last message of the settled version was its rollback (released before
             # that version completed).
             settled_id = self.settled.dep.deployment_id
-            self._send_run(self.settled, sorted(d for d in fleet if (self.last.get(d, ("",))[0] != settled_id
-                                                                     or not self.settled.has_run(d))
+            self._send_run(self.settled, sorted(d for d in looked_at if (self.last.get(d, ("",))[0] != settled_id
+                                                                         or not self.settled.has_run(d))
                                                 and (active is None or not active.has_run(d))))
-        if active is None:
+        if active is not None:
+            self._update_members(active, fleet, None if whole else dirty)
+            members = self._members
+            self._release(active, sorted(d for d in looked_at if active.has_run(d) and d not in members
+                                         and self.last.get(d, ("",))[0] == active.dep.deployment_id))
+            self._send_run(active, sorted(d for d in (members if whole else looked_at)
+                                          if d in members and not active.has_run(d)))
+            reporting = {d for d in (members if whole else dirty) if d in members and active.has_run(d)
+                         and active.sent[d]["report"] is not None}
+            self._reporting = reporting if whole else (self._reporting - dirty) | reporting
+        self._planned = plan
+        if active is not None:
+            reports = {d: report_of(active.sent[d]["report"]) for d in self._reporting}
+            self._apply(active, active.dep.handle(Tick(now, reports, self._weight_caps(reports))))
+
+    def _update_members(self, active: Served, fleet: dict[str, tuple[str, ...]], devices: set[str] | None) -> None:
+        """The active stage's members (``CohortRule.stage``): of the whole fleet, or ``devices``'
+        memberships again (a device's membership reads its own id and tags only)."""
+        cohort, fraction = active.dep.cohort, active.dep.stage_fraction
+        if devices is None:
+            self._members = cohort.stage(fraction, fleet)
             return
-        members = active.dep.cohort.stage(active.dep.stage_fraction, fleet)
-        self._release(active, sorted(d for d in fleet if active.has_run(d) and d not in members
-                                     and self.last.get(d, ("",))[0] == active.dep.deployment_id))
-        self._send_run(active, sorted(d for d in members if not active.has_run(d)))
-        reports = {d: report_of(active.sent[d]["report"]) for d in members
-                   if active.has_run(d) and active.sent[d]["report"] is not None}
-        self._apply(active, active.dep.handle(Tick(now, reports, self._weight_caps(reports))))
+        for d in devices:
+            if d in fleet and cohort.stage(fraction, {d: fleet[d]}):
+                self._members.add(d)
+            else:
+                self._members.discard(d)
 
     def _release(self, served: Served, devices: list[str]) -> None:
         """Devices running the candidate that left its stage (the operator took away the tag that put
@@ -387,12 +424,16 @@ class DeploymentController(LinkWorker):
                 sent["report"] = None       # a run after a rollback: judged anew (mark_sent clears it too)
             sent["sent"] = what
             self.last[d] = (served.dep.deployment_id, seq)
+            self._dirty.add(d)          # the next rollout tick looks at it again
             self.link.publish_envelope(self.topics.deploy(d), message(d, seq), signer=self.signer, retain=True)
 
     def _fleet(self) -> dict[str, tuple[str, ...]]:
         """Known, not revoked devices -> the tags the operator gave them (never the tags a device
-        announces: with those, devices could choose to be in a tags: canary and outvote it)."""
-        return {row["device_id"]: tuple(row["tags"]) for row in self.store.devices() if row["status"] != "revoked"}
+        announces: with those, devices could choose to be in a tags: canary and outvote it), as the
+        store has them now: the devices that changed since the last look (``FleetView``), which the
+        next rollout tick looks at again. Not to be changed by the caller."""
+        self._dirty.update(self.fleet.refresh())
+        return self.fleet.devices
 
     def _known(self, device: str) -> bool:
         """A known, not revoked device: one row read (the whole fleet's rows per message, as
@@ -460,6 +501,7 @@ class DeploymentController(LinkWorker):
                         report["refused"])
         self.table.record_report(dep_id, device, report)
         sent["report"] = report
+        self._dirty.add(device)         # the next rollout tick reads its report
 
     def _reassign(self, device: str) -> None:
         """A device judging an assignment that is not its last may run something it was not told to

@@ -92,6 +92,29 @@ class DeviceRepository(StoreConnection):
             else:
                 db.execute("DELETE FROM device_tags WHERE device_id=?", (device_id,))
 
+    def operator_fleet(self) -> tuple[dict[str, tuple[str, ...]], int]:
+        """Known, not revoked devices -> the tags the operator gave them; and a change seq
+        (``fleet_changes``) these rows include every change up to: a change after it has a higher
+        one (:meth:`fleet_changes_after`). The seq is read first: a change committed between the
+        two reads is in the rows and read again later, never missed."""
+        high = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM fleet_changes").fetchone()[0]
+        rows = self.db.execute(f"{FLEET_READ} FROM devices d LEFT JOIN device_tags t USING (device_id) "
+                               "WHERE d.status != 'revoked'")
+        return {r["device_id"]: _operator_tags(r) for r in rows}, high
+
+    def fleet_changes_after(self, seq: int) -> tuple[dict[str, tuple[str, ...] | None], int]:
+        """The devices whose place in the fleet changed after change ``seq`` -> their tags now, or
+        None when they are no longer in it (revoked, deleted); and the highest seq read (``seq``
+        when nothing changed: one indexed look-up)."""
+        changed, high = {}, seq
+        for r in self.db.execute(f"{FLEET_READ}, c.device_id AS changed, c.seq FROM fleet_changes c "
+                                 "LEFT JOIN devices d USING (device_id) LEFT JOIN device_tags t USING (device_id) "
+                                 "WHERE c.seq > ?", (seq,)):
+            high = max(high, r["seq"])
+            in_fleet = r["status"] is not None and r["status"] != "revoked"
+            changed[r["changed"]] = _operator_tags(r) if in_fleet else None
+        return changed, high
+
     def enrolled_keys(self) -> dict[str, bytes | None]:
         """Active devices -> raw Ed25519 public key (None for devices enrolled without one)."""
         return {r["device_id"]: (bytes(r["public_key"]) if r["public_key"] is not None else None)
@@ -122,7 +145,13 @@ class DeviceRepository(StoreConnection):
         return [dict(r) for r in rows]
 
 
+# what a deployment's cohort reads of a device: whether it is in the fleet, and its operator tags
+FLEET_READ = "SELECT d.device_id, d.status, t.tags"
 _WITH_TAGS = "SELECT d.*, t.tags AS operator_tags FROM devices d LEFT JOIN device_tags t USING (device_id)"
+
+
+def _operator_tags(r: sqlite3.Row) -> tuple[str, ...]:
+    return tuple(json.loads(r["tags"] or "[]"))
 
 
 def _device_row(r: sqlite3.Row) -> dict:

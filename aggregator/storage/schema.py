@@ -42,6 +42,18 @@ CONTRIBUTIONS = """CREATE TABLE IF NOT EXISTS {name} (
 )"""
 CONTRIBUTIONS_INDEX = "CREATE INDEX IF NOT EXISTS contributions_by_job ON contributions (job_id, seq)"
 
+# the writes that change a device's place in the fleet, each noted in fleet_changes under the next seq
+# (writers are serialised by SQLite's write lock, so seqs follow commit order)
+_NOTE_FLEET_CHANGE = ("INSERT INTO fleet_changes (device_id, seq) VALUES ({row}.device_id, "
+                      "(SELECT COALESCE(MAX(seq), 0) + 1 FROM fleet_changes)) "
+                      "ON CONFLICT(device_id) DO UPDATE SET seq = excluded.seq")
+FLEET_TRIGGERS = "\n".join(
+    f"CREATE TRIGGER IF NOT EXISTS fleet_change_{table}_{event.split()[0].lower()} AFTER {event} ON {table} "
+    f"BEGIN {_NOTE_FLEET_CHANGE.format(row='OLD' if event == 'DELETE' else 'NEW')}; END;"
+    for table, events in (("devices", ("INSERT", "UPDATE OF status", "DELETE")),
+                          ("device_tags", ("INSERT", "UPDATE", "DELETE")))
+    for event in events)
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS devices (
@@ -63,6 +75,17 @@ CREATE TABLE IF NOT EXISTS device_tags (
     device_id     TEXT PRIMARY KEY REFERENCES devices(device_id) ON DELETE CASCADE,
     tags          TEXT NOT NULL
 );
+-- per device, the last change to what a deployment's cohort reads of it (enrolled, revoked, deleted,
+-- its operator tags: aggregator.storage.devices.FLEET_READ), numbered in commit order: a reader keeps
+-- the fleet in memory and reads only the rows changed after the highest seq it has seen
+-- (aggregator/deployments/fleet_view.py). Kept by triggers, so every writer of any process and
+-- version is counted; one row per device id, so it never grows past the fleet
+CREATE TABLE IF NOT EXISTS fleet_changes (
+    device_id     TEXT PRIMARY KEY,
+    seq           INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS fleet_changes_by_seq ON fleet_changes (seq);
+{fleet_triggers}
 CREATE TABLE IF NOT EXISTS jobs (
     job_id      TEXT PRIMARY KEY,
     kind        TEXT NOT NULL,
@@ -186,7 +209,8 @@ CREATE TABLE IF NOT EXISTS settings (
     value TEXT NOT NULL
 );
 {index};
-""".replace("{contributions}", CONTRIBUTIONS.format(name="contributions")).replace("{index}", CONTRIBUTIONS_INDEX)
+""".replace("{contributions}", CONTRIBUTIONS.format(name="contributions")).replace("{index}", CONTRIBUTIONS_INDEX) \
+    .replace("{fleet_triggers}", FLEET_TRIGGERS)
 
 # Version 1 kept each payload in the table (``contributions.payload BLOB``). Once every payload is in
 # its file, the table is rebuilt in the version 2 shape (same seqs); the caller keeps the AUTOINCREMENT

@@ -8,7 +8,8 @@ job bit for bit after a crash:
 
 * ``devices``, ``clusters``             :mod:`aggregator.storage.devices`: enrolment (Ed25519
                                         public key, MQTT password hash, revoked or not), presence,
-                                        profile, cluster.
+                                        profile, cluster; ``fleet_changes`` (by triggers): the
+                                        last change to each device's place in the fleet.
 * ``jobs``                              :mod:`aggregator.storage.jobs`: kind, config, state.
 * ``rounds``, ``round_events``,         :mod:`aggregator.storage.rounds`: each opened round with
   ``checkpoints``                       the job's bookkeeping (its secrets sealed under
