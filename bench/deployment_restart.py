@@ -19,7 +19,16 @@ deployment whose ``run`` every device was sent, and an active 5 % canary of a se
   process held before; and a rollout tick after it (the settled version's check of the fleet);
 * the ratios: the re-delivery per device against the unit, and in slices against in one go.
 
-    nice -n 10 .venv/bin/python bench/deployment_restart.py [--devices 10000]
+``--steady``: the rollout after the start (its re-delivery skipped): the same fleet, nothing
+changing, a rollout tick every ``tick_s`` (the settled version's check of the fleet and the
+canary's); measured over ``--ticks`` ticks after the first: each tick's cost, and the longest an
+operator's command waited (commands posted one after another, as above); then one device enrolled
+between two ticks (on another thread's store connection, as the admin API enrols): the cost of
+the tick that assigns it. Two ways, each in a fresh process: the controller's, which looks at the
+devices that changed since the last tick (``FleetView``), and the way before (the reference):
+every tick read every device's row from the store (``Store.devices``) and looked at every device.
+
+    nice -n 10 .venv/bin/python bench/deployment_restart.py [--devices 10000] [--steady [--ticks 10]]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -164,25 +174,105 @@ def measure(db: str, url: str, batch: int) -> dict:
     return out
 
 
+WAYS = ("changed devices", "whole fleet every tick")
+
+
+def whole_fleet_read(ctl: DeploymentController) -> dict[str, tuple[str, ...]]:
+    """The way before, as the reference: every device's row read, and every device looked at."""
+    ctl._planned = None
+    return {row["device_id"]: tuple(row["tags"]) for row in ctl.store.devices() if row["status"] != "revoked"}
+
+
+def measure_steady(db: str, url: str, ticks: int, way: str) -> dict:
+    """In this fresh process: a started controller's rollout ticks with nothing changing, then the
+    tick after one enrolment (see the module's docstring)."""
+    broker, signer = BrokerConfig.from_url(url), DeviceIdentity.generate(AGGREGATOR_ID).sign
+    store = Store(db)
+    t0 = time.perf_counter()
+    ctl = DeploymentController(store, broker, TOPICS, signer=signer)
+    construct_s = time.perf_counter() - t0
+    ctl._redelivery = deque()           # the start's re-delivery: the default mode measures it
+    if way == WAYS[1]:
+        ctl._fleet = lambda: whole_fleet_read(ctl)
+    durations, assigned, roll_out, newcomer = [], [], ctl._roll_out, f"benchnew{WAYS.index(way)}"
+
+    def timed_roll_out(now):
+        t0 = time.perf_counter()
+        roll_out(now)
+        durations.append(time.perf_counter() - t0)
+        assigned.append(newcomer in ctl.last)
+
+    ctl._roll_out = timed_roll_out
+    rss_before = rss_mb("VmRSS")
+    ctl.start()
+    try:
+        while not durations:            # the first tick: whatever the controller does once
+            time.sleep(0.001)
+        waits = []                      # operator commands posted one after another from then on
+        while len(durations) < ticks + 1:
+            t_call = time.perf_counter()
+            ctl.call(lambda: None, timeout=3600)
+            waits.append(time.perf_counter() - t_call)
+        ticked, devices = len(durations), ctl.call(lambda: len(ctl._fleet()), timeout=3600)
+        store.enroll_device(newcomer, None, None)       # this thread's connection: another writer
+        while not any(assigned[ticked:]):
+            time.sleep(0.001)
+        store.revoke_device(newcomer)                   # the next way's fleet: the same N
+    finally:
+        ctl.stop()
+    steady = sorted(durations[1:ticks + 1])
+    return {"devices": devices, "construct_s": construct_s, "first_tick_s": durations[0],
+            "tick_median_s": steady[len(steady) // 2], "tick_max_s": steady[-1], "ticks": len(steady),
+            "commands": len(waits), "command_wait_s": max(waits), "enrolled_tick_s": durations[assigned.index(True)],
+            "rss_growth_mb": rss_mb("VmHWM") - rss_before}
+
+
 def run(db: pathlib.Path, url: str, batch: int) -> dict:
     child = subprocess.run([sys.executable, __file__, "--measure", str(db), url, str(batch)],
                            stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(child.stdout)
 
 
+def steady(db: pathlib.Path, url: str, ticks: int) -> None:
+    runs = {}
+    for way in WAYS:
+        child = subprocess.run([sys.executable, __file__, "--measure-steady", str(db), url, str(ticks), way],
+                               stdout=subprocess.PIPE, text=True, check=True)
+        runs[way] = r = json.loads(child.stdout)
+        print(f"steady rollout, {r['devices']:,} devices (a settled version, a {CANARY} canary, nothing changing), "
+              f"{way}: a tick {r['tick_median_s'] * 1e3:.1f} ms (median of {r['ticks']}), "
+              f"{r['tick_max_s'] * 1e3:.1f} ms at most; the first {r['first_tick_s'] * 1e3:.0f} ms "
+              f"(construction {r['construct_s']:.2f} s)")
+        print(f"  {r['commands']:,} commands served meanwhile, the longest waited {r['command_wait_s'] * 1e3:.1f} ms; "
+              f"the tick that assigned a device enrolled meanwhile {r['enrolled_tick_s'] * 1e3:.1f} ms; "
+              f"peak RSS +{r['rss_growth_mb']:.0f} MB")
+    new, old = (runs[way] for way in WAYS)
+    print(f"{WAYS[0]} / {WAYS[1]}: a tick {new['tick_median_s'] / old['tick_median_s']:.4f}x, the longest wait for "
+          f"a command {new['command_wait_s'] / old['command_wait_s']:.3f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--devices", type=int, default=10_000)
+    ap.add_argument("--steady", action="store_true", help="the rollout's ticks after the start, nothing changing")
+    ap.add_argument("--ticks", type=int, default=10, help="--steady: how many ticks to measure")
     ap.add_argument("--measure", nargs=3, metavar=("DB", "URL", "BATCH"), help=argparse.SUPPRESS)   # a child's part
+    ap.add_argument("--measure-steady", nargs=4, metavar=("DB", "URL", "TICKS", "WAY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure[0], args.measure[1], int(args.measure[2]))))
+        return
+    if args.measure_steady:
+        db, url, ticks, way = args.measure_steady
+        print(json.dumps(measure_steady(db, url, int(ticks), way)))
         return
     with tempfile.TemporaryDirectory() as tmp, MosquittoBroker(workdir=pathlib.Path(tmp)) as broker:
         db = pathlib.Path(tmp) / "state.db"
         t0 = time.perf_counter()
         populate(db, args.devices)
         print(f"{args.devices:,} devices populated in {time.perf_counter() - t0:.1f} s")
+        if args.steady:
+            return steady(db, broker.url, args.ticks)
         runs = {how: run(db, broker.url, batch) for how, batch in
                 (("in slices", controller_module.REDELIVERY_BATCH), ("in one go", 2 ** 62))}
     for how, r in runs.items():
