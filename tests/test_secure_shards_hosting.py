@@ -128,6 +128,27 @@ def _sharded_coordinator(tmp_path, members, **over):
     return coordinator, pool, config, keys
 
 
+def _hosting_shard(tmp_path, members, admitted=None):
+    """Round 1's group of ``members`` released by a Fed3R-Sync coordinator and opened on shard 1 of
+    2 (its store in ``tmp_path``; ``admitted``: the fleet it is told, None: open), and the same job
+    built as one aggregator's, its participants the same: (coordinator, pool, config, keys, host, one)."""
+    from aggregator.jobs.registry import build_job
+    from aggregator.shards.shard import ShardIngest
+    from aggregator.storage.store import Store
+
+    coordinator, pool, config, keys = _sharded_coordinator(tmp_path, members, clients_per_round=len(members))
+    coordinator.on_protocol_tick(1.0)
+    _, _, group, context = pool.told[0]
+    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
+    host.set_job(config["job_id"], "fed3r-sync", config)
+    if admitted is not None:
+        host.admit(admitted)
+    host.groups.open(group, context)
+    one = build_job("fed3r-sync", config)
+    assert sorted(one.next_participants(set(members))) == members
+    return coordinator, pool, config, keys, host, one
+
+
 def test_a_member_gone_before_its_group_is_placed_is_told_to_the_shard_that_hosts_it(tmp_path):
     """A review's finding: a member that went offline (or declined) between the round's tasks and
     the tick that places its group on a shard was forgotten, so the host held the advertise phase
@@ -307,24 +328,15 @@ def test_a_revoked_members_secagg_message_is_refused_by_its_host_as_by_one_aggre
     coordinator's path (which refuses it) and the next phase goes to the members one aggregator asks.
     An open fleet's too: one aggregator refuses a revoked device in either mode, and its shards were
     not told of the revocation at all (a later review's finding)."""
-    from aggregator.jobs.registry import build_job
-    from aggregator.shards.shard import Forward, Publish, ShardIngest
-    from aggregator.storage.store import Store
+    from aggregator.shards.shard import Forward, Publish
     from protocols.envelope import encode
     from protocols.payloads.secagg import from_envelope, to_envelope
     from protocols.secagg import ClientSecAgg
     from protocols.topics import Topics
 
     members, revoked = ["dev03", "dev04", "dev05", "dev06", "dev08"], "dev08"
-    coordinator, pool, config, keys = _sharded_coordinator(tmp_path, members, clients_per_round=len(members))
-    coordinator.on_protocol_tick(1.0)
-    _, _, group, context = pool.told[0]
-    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
-    host.set_job(config["job_id"], "fed3r-sync", config)
-    host.admit(DEVICES if fleet == "enrolled" else None)
-    host.groups.open(group, context)
-    one = build_job("fed3r-sync", config)
-    assert sorted(one.next_participants(set(members))) == members
+    coordinator, pool, config, keys, host, one = _hosting_shard(tmp_path, members,
+                                                                DEVICES if fleet == "enrolled" else None)
 
     def adverts(start):
         out = {}
@@ -363,12 +375,9 @@ def test_a_hosted_groups_refused_secagg_messages_are_counted_by_the_coordinator_
     from collections import Counter
     from types import SimpleNamespace
 
-    from aggregator.jobs.registry import build_job
     from aggregator.service.active_job import ActiveJob
     from aggregator.service.loop import AggregatorService
     from aggregator.shards.local import HeldMessages, _feed
-    from aggregator.shards.shard import ShardIngest
-    from aggregator.storage.store import Store
     from protocols.envelope import Envelope, encode
     from protocols.mqtt_link import BrokerConfig
     from protocols.payloads.secagg import from_envelope, to_envelope
@@ -376,14 +385,7 @@ def test_a_hosted_groups_refused_secagg_messages_are_counted_by_the_coordinator_
     from protocols.topics import Topics
 
     members, silent = ["dev03", "dev04", "dev05", "dev06", "dev08"], "dev05"
-    coordinator_job, pool, config, keys = _sharded_coordinator(tmp_path, members, clients_per_round=len(members))
-    coordinator_job.on_protocol_tick(1.0)
-    _, _, group, context = pool.told[0]
-    host = ShardIngest(1, 2, Store(tmp_path / "s1.db"))
-    host.set_job(config["job_id"], "fed3r-sync", config)
-    host.groups.open(group, context)
-    one = build_job("fed3r-sync", config)
-    assert sorted(one.next_participants(set(members))) == members
+    coordinator_job, pool, config, keys, host, one = _hosting_shard(tmp_path, members)
     unconnected = BrokerConfig.from_url("mqtt://127.0.0.1:1")     # neither service runs: no broker is reached
     quiet = SimpleNamespace(publish_envelope=lambda *args, **kwargs: None)     # what the machines send is not read here
     one_aggregator = AggregatorService(None, unconnected, tmp_path / "one")
