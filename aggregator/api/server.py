@@ -8,6 +8,7 @@ to run; the API runs in the same process (uvicorn on a thread) and talks to the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -15,8 +16,9 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
+from protocols.command_errors import UserError
 from protocols.mqtt_link import BrokerConfig
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.topics import AGGREGATOR_ID
@@ -158,6 +160,18 @@ def checked_sealing_key(args) -> None:
         SealingKey.of_store(args.state, args.key_dir or args.security_dir).check()
 
 
+@contextlib.contextmanager
+def state_refusals(state: Path | None) -> Iterator[None]:
+    """What the store refuses as ``serve`` opens it (a file that is no fedfleet database, a newer
+    schema) is one line naming --state, exit 2, the store as it was (it was a StoreError traceback)."""
+    from aggregator.storage.store import StoreError
+
+    try:
+        yield
+    except StoreError as exc:
+        raise UserError(f"--state {state}: {exc}") from None
+
+
 def read_identity(path: Path):
     """The aggregator's signing identity from an ``--identity`` PEM file (bounded, a regular file)."""
     from protocols.identity import DeviceIdentity
@@ -185,7 +199,8 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
     if args.api and not token:
         raise SystemExit(f"--api needs a token: --api-token-file or {TOKEN_ENV}")
     key_dir = args.key_dir or args.security_dir         # the secrets' folder (checked by serve at start), not the store's
-    store = Store(args.state, synchronous=args.durability.upper(), key_dir=key_dir) if args.state else None
+    with state_refusals(args.state):
+        store = Store(args.state, synchronous=args.durability.upper(), key_dir=key_dir) if args.state else None
     security = None
     if args.security_dir:
         security = BrokerSecurity(args.security_dir, topics)

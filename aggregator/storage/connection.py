@@ -29,6 +29,34 @@ class StoreError(RuntimeError):
     """The store refuses an operation (unknown job, config mismatch, bad state transition)."""
 
 
+def existing_tables(path: Path) -> tuple[set[str], str | None] | None:
+    """The table names and the ``meta`` schema version of the database file at ``path``, read without
+    changing it (no journal mode, no table, no blob folder: what opening a store does comes after);
+    None where there is no file yet, or an empty one (SQLite's new database). StoreError when it is
+    not an SQLite database at all (a folder, another program's file, a damaged header)."""
+    if not path.exists():
+        return None
+    if path.is_file() and path.stat().st_size == 0:
+        return None
+    if not path.is_file():
+        raise StoreError(f"{path} is not a state database: it is not a regular file")
+    try:
+        conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            try:
+                row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() \
+                    if "meta" in tables else None
+            except sqlite3.OperationalError as exc:         # a table named meta, not ours
+                raise StoreError(f"{path} is not a fedfleet state database: its meta table is another's ({exc})") \
+                    from None
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path} is not a state database: SQLite cannot read it ({exc})") from None
+    return tables, None if row is None else str(row[0])
+
+
 class StoreConnection:
     """The base of every repository: ``db`` (this thread's connection), ``_tx()`` (one write
     transaction), ``blobs`` (the contribution payload files), ``_crash`` (the crash points)."""

@@ -38,11 +38,12 @@ payload sha256 is inside its envelope for a reader that wants to re-verify it).
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
 from pathlib import Path
 
 from aggregator.security.sealing_key import SealingKey
-from aggregator.storage.connection import StoreError
+from aggregator.storage.connection import StoreError, existing_tables
 from aggregator.storage.contributions import ContributionRepository, StoredContribution
 from aggregator.storage.devices import DeviceRepository
 from aggregator.storage.evaluations import EvaluationRepository
@@ -59,6 +60,32 @@ __all__ = ["Store", "StoreError", "StoredRound", "StoredContribution", "JobState
 
 log = logging.getLogger("fedfleet.aggregator")
 
+# the tables of every version this aggregator opens (sqlite_sequence: SQLite's AUTOINCREMENT marks)
+STORE_TABLES = frozenset(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
+READABLE_VERSIONS = ("1", "2", str(SCHEMA_VERSION))
+
+
+def checked_state_file(path: Path) -> None:
+    """Refuse, before anything is written, a file this aggregator must not open as its store: one
+    of a schema version it does not know (a newer aggregator's, which creating this version's
+    tables and switching it to WAL would have changed before the refusal), a database of another
+    program (it was taken for a new store and given fedfleet's tables), or no database at all.
+    A database holding fedfleet tables and no version yet is a first open cut short between its
+    tables and its version: opened."""
+    found = existing_tables(path)
+    if found is None:
+        return
+    tables, version = found
+    if version is None and tables - STORE_TABLES:
+        raise StoreError(f"{path} is not a fedfleet state database: it holds tables "
+                         f"{', '.join(sorted(tables - STORE_TABLES)[:5])} and no fedfleet schema version "
+                         f"(check --state)")
+    if version is not None and version not in READABLE_VERSIONS:
+        newer = version.isdigit() and int(version) > SCHEMA_VERSION
+        why = "a newer aggregator wrote it: run that version" if newer else "no aggregator writes that version"
+        raise StoreError(f"{path} has schema version {version[:40]}, this aggregator uses {SCHEMA_VERSION} "
+                         f"(and migrates 1 and 2): {why}")
+
 
 class Store(DeviceRepository, JobRepository, RoundRepository, ContributionRepository, ExclusionRepository,
             ModelRepository, EvaluationRepository, SettingRepository):
@@ -68,6 +95,7 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
     def __init__(self, path: str | Path, synchronous: str = "FULL", key_dir: str | Path | None = None):
         """``key_dir``: the folder of the key this store's secrets are sealed under (default
         ``<db path>.keys/``; ``aggregator serve`` names its secrets' folder)."""
+        checked_state_file(Path(path))      # before anything is created or changed
         super().__init__(path, synchronous)
         self.sealing_key = SealingKey.of_store(self.path, key_dir)
         self._create_tables(SCHEMA)
@@ -80,7 +108,7 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
                 self._migrate_from_v1(db)
             elif row[0] == "2":             # the deployment tables, created above, are all version 3 adds
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
+            elif row[0] != str(SCHEMA_VERSION):      # checked_state_file's refusal, met by a writer since
                 raise StoreError(f"{self.path} has schema version {row[0]}, this aggregator uses {SCHEMA_VERSION}")
             # under the write lock: no writer (of any process) is between a payload file and its commit
             high = db.execute("SELECT seq FROM sqlite_sequence WHERE name='contributions'").fetchone()
