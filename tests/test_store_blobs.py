@@ -312,3 +312,81 @@ def test_a_direct_write_that_fails_leaves_the_file_empty(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="injected"):
         files.write(1, os.urandom(BlobFiles.BOUNCE * 2))
     assert files.path(1).stat().st_size == 0 and files.direct
+
+
+def test_opening_never_follows_a_link_in_the_blob_folder_nor_stops_at_a_name_that_is_no_file(tmp_path, caplog):
+    """A review's findings in the sweep at open: a spare's name (above the AUTOINCREMENT mark)
+    replaced by a symbolic link had its *target* truncated to 0 bytes (os.truncate follows links:
+    an operator's file, the DB itself); a dangling link, or a folder under a name of no row, made the
+    store unopenable (FileNotFoundError, IsADirectoryError). Links and other nodes of no row go (never
+    their target), an empty folder too, one holding files is left alone; the store opens and writes."""
+    store = new_store(tmp_path / "state.db")
+    seq = store.add_contribution("j", 1, "dev01", "m1", b"one")
+    store.close()
+    blobs = tmp_path / "state.db.blobs"
+    precious = tmp_path / "precious.txt"
+    precious.write_text("an operator's file")
+    for spare, target in ((seq + 1, precious), (seq + 2, tmp_path / "state.db")):
+        store.blobs.path(spare).unlink()
+        store.blobs.path(spare).symlink_to(target)
+    db_bytes = (tmp_path / "state.db").read_bytes()
+    Store(tmp_path / "state.db").close()
+    assert precious.read_text() == "an operator's file" and (tmp_path / "state.db").read_bytes() == db_bytes
+    store.blobs.path(seq + 3).unlink()
+    store.blobs.path(seq + 3).symlink_to(tmp_path / "nowhere")
+    store.blobs.path(seq + 4).unlink()
+    os.mkfifo(store.blobs.path(seq + 4))
+    store.blobs.path(seq + 5).unlink()
+    store.blobs.path(seq + 5).mkdir()
+    (store.blobs.path(seq + 5) / "notes.txt").write_text("someone's")     # a folder with files: left alone
+    (blobs / f"{0:012d}.msg").mkdir()                      # an empty one, at or below the mark, of no row: goes
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        reopened = Store(tmp_path / "state.db")
+    assert not any(store.blobs.path(s).is_symlink() or store.blobs.path(s).exists() for s in range(seq + 1, seq + 5))
+    assert (store.blobs.path(seq + 5) / "notes.txt").read_text() == "someone's"
+    assert not (blobs / f"{0:012d}.msg").exists()
+    assert [c.payload for c in reopened.contributions("j")] == [b"one"]
+    assert reopened.add_contribution("j", 1, "dev02", "m2", b"two") == seq + 1     # the name made again, a file
+    assert store.blobs.path(seq + 1).read_bytes() == b"two" and not store.blobs.path(seq + 1).is_symlink()
+    assert "contribution(s) have no payload file" not in caplog.text
+
+
+def test_a_payload_name_that_is_no_regular_file_is_a_clear_error_and_never_blocks(tmp_path, caplog):
+    """A review's findings in reading a payload: its name replaced by a FIFO blocked the reader (the
+    restore, a forget's re-solve) for ever; by a folder it was an IsADirectoryError, not the store's
+    error; a link was followed (to /dev/zero: read until memory ran out). Each is the StoreError of a
+    missing payload, said at once, and reported at open as a contribution without its file."""
+    store = new_store(tmp_path / "state.db")
+    seq = store.add_contribution("j", 1, "dev01", "m1", b"0123456789")
+    path = store.blobs.path(seq)
+    elsewhere = tmp_path / "elsewhere.msg"
+    elsewhere.write_bytes(b"0123456789")
+
+    def fifo():
+        os.mkfifo(path)
+
+    for name, make in (("fifo", fifo), ("folder", path.mkdir), ("link", lambda: path.symlink_to(elsewhere)),
+                       ("link to a device", lambda: path.symlink_to("/dev/zero"))):
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()     # the last case's node
+        make()
+        outcome = []
+
+        def read():
+            try:
+                outcome.append(list(store.contributions("j")))
+            except BaseException as exc:         # what the reader met, whatever it was
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(10)
+        if reader.is_alive():                   # blocked opening the FIFO: let it go, then fail
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(10)
+            pytest.fail(f"{name}: reading the payload blocked")
+        assert isinstance(outcome[0], StoreError) and "not a regular file" in str(outcome[0]) \
+            and "restore them together" in str(outcome[0]), (name, outcome)
+        with caplog.at_level(logging.ERROR, logger="fedfleet.aggregator"):
+            Store(tmp_path / "state.db").close()
+        assert "1 contribution(s) have no payload file" in caplog.text, name
+        caplog.clear()

@@ -23,15 +23,18 @@ validation. A file system that refuses ``O_DIRECT`` gets buffered writes, as do 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 from typing import Iterable
 
 _WRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _ALIGN = 4096                   # O_DIRECT offsets and lengths: a multiple of the device's block size
 
 
@@ -120,18 +123,42 @@ class BlobFiles:
 
     def _create_names(self, seq: int) -> None:
         """Empty files for ``seq`` and the next seqs, their names durable with one directory fsync."""
-        for spare in range(seq, seq + self.SPARES):
-            os.close(os.open(self.path(spare), _WRITE | os.O_CREAT, 0o600))
+        os.close(os.open(self.path(seq), _WRITE | os.O_CREAT, 0o600))
+        for spare in range(seq + 1, seq + self.SPARES):
+            try:
+                os.close(os.open(self.path(spare), _WRITE | os.O_CREAT, 0o600))
+            except OSError:         # a folder or link of someone else's under that name: its own write will say
+                pass
         if self.durable:
             self._fsync_dir(self.directory)
 
     def read(self, seq: int, nbytes: int) -> bytes:
+        """The ``nbytes`` of row ``seq``'s file. Its name is opened without following a link and
+        without waiting (a FIFO there blocked the reader for ever, a link to /dev/zero was read until
+        memory ran out), and its size checked before a byte is read."""
         path = self.path(seq)
         try:
-            data = path.read_bytes()
+            fd = os.open(path, _READ)
         except FileNotFoundError as exc:
             raise BlobFileError(f"payload file {path} is missing") from exc
-        if len(data) != nbytes:
+        except OSError as exc:
+            why = "is not a regular file (a symbolic link)" if exc.errno == errno.ELOOP else \
+                f"cannot be opened ({exc.strerror})"
+            raise BlobFileError(f"payload file {path} {why}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BlobFileError(f"payload file {path} is not a regular file")
+            if st.st_size != nbytes:
+                raise BlobFileError(f"payload file {path} holds {st.st_size} bytes, its row records {nbytes}")
+            chunks, got = [], 0
+            while got < nbytes and (chunk := os.pread(fd, nbytes - got, got)):    # one call but past 2 GiB
+                chunks.append(chunk)
+                got += len(chunk)
+            data = b"".join(chunks)
+        finally:
+            os.close(fd)
+        if len(data) != nbytes:             # shortened since its fstat
             raise BlobFileError(f"payload file {path} holds {len(data)} bytes, its row records {nbytes}")
         return data
 
@@ -143,7 +170,10 @@ class BlobFiles:
         """Remove the bytes of no row in ``live`` (a crash between a file and its row's commit, or between
         a delete's commit and the file's removal): a file of a seq up to ``high`` (the AUTOINCREMENT mark:
         never given again) is deleted, one above it is emptied (a spare again). Returns (files that held
-        such bytes, sorted seqs of ``live`` with no file). Other names in the directory are left alone."""
+        such bytes, sorted seqs of ``live`` with no file). A link or another node (a FIFO) under a
+        payload name of no row is removed itself, never followed; an empty folder there too; one
+        holding files, and other names in the directory, are left alone. A live row's name that is no
+        regular file counts as missing (:meth:`read` refuses it)."""
         dropped, present = 0, set()
         with os.scandir(self.directory) as entries:
             for entry in entries:
@@ -151,13 +181,22 @@ class BlobFiles:
                 if match is None or self.path(int(match[1])).name != entry.name:
                     continue
                 seq = int(match[1])
+                regular = entry.is_file(follow_symlinks=False)
                 if seq in live:
-                    present.add(seq)
+                    if regular:             # a link, FIFO or folder is no payload: said missing
+                        present.add(seq)
                     continue
-                dropped += entry.stat().st_size > 0
-                if seq <= high:
+                if entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):      # an empty one only: a folder's files are not ours
+                        os.rmdir(entry.path)
+                    continue
+                # a link or node goes itself, never what it points at (truncating through a link
+                # emptied its target: an operator's file, the DB)
+                size = entry.stat(follow_symlinks=False).st_size if regular else 1
+                dropped += size > 0
+                if seq <= high or not regular:
                     os.unlink(entry.path)
-                elif entry.stat().st_size:
+                elif size:
                     os.truncate(entry.path, 0)
         if self.durable:
             self._fsync_dir(self.directory)           # names a crashed process created before its fsync
