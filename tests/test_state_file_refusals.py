@@ -99,3 +99,74 @@ def test_serve_refuses_another_programs_database_in_one_line(broker, tmp_path, c
     assert lines[0].startswith(f"fedfleet aggregator: error: --state {tmp_path / 'recipes.db'}: ") \
         and "not a fedfleet state database" in lines[0], err
     assert {k: v for k, v in folder_as_it_is(tmp_path).items() if k != "o"} == before
+
+
+def stored_job(state: Path, config: dict) -> int:
+    """A store holding ``config``'s fed3r job with round 1 open and one result of it stored; its seq."""
+    from aggregator.jobs.registry import build_job
+    from protocols.envelope import Envelope, encode
+
+    job = build_job("fed3r", config)
+    store = Store(state)
+    store.create_job(config["job_id"], "fed3r", job.config.to_dict(), state="running")
+    assert job.next_participants({"dev01"}) == ["dev01"]
+    store.open_round(config["job_id"], 1, ["dev01"], {"dev01": "task-1"}, job.bookkeeping(), 4e9)
+    seq = store.add_contribution(config["job_id"], 1, "dev01", "m1", encode(Envelope("result", "dev01", {"x": 1})))
+    store.close()
+    return seq
+
+
+def database_dump(state: Path) -> list[str]:
+    """The store's rows, less its settings (a start records the fleet mode it found none of)."""
+    db = sqlite3.connect(state)
+    try:
+        return [line for line in db.iterdump() if not line.startswith('INSERT INTO "settings"')]
+    finally:
+        db.close()
+
+
+def damage_checkpoint(state: Path, seq: int) -> None:
+    db = sqlite3.connect(state)
+    db.execute("INSERT INTO checkpoints VALUES ('j1', 0, x'00ff', '{}', 0)")
+    db.commit()
+    db.close()
+
+
+def replace_payload(state: Path, seq: int) -> None:
+    path = state.with_name(state.name + ".blobs") / f"{seq:012d}.msg"
+    path.write_bytes(bytes(len(path.read_bytes())))         # its length kept, its bytes zeros (no envelope)
+
+
+RESTORE_REFUSED = {
+    "another config": (None, {"num_classes": 12}, "job 'j1' is stored with a different kind/config"),
+    "a damaged checkpoint": (damage_checkpoint, {}, "job 'j1''s checkpoint cannot be restored"),
+    "a payload that is no envelope": (replace_payload, {}, "contribution 1 of job 'j1' (dev01, round 1) cannot be "
+                                                           "restored"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESTORE_REFUSED))
+def test_serve_config_refuses_a_stored_job_it_cannot_restore_in_one_line(broker, tmp_path, capsys, case):
+    """A review's finding: ``serve --config job.json --state FILE`` (how a crashed job is restarted)
+    on a store whose job it cannot take back — stored under another config, a checkpoint or a
+    stored result that does not read back — was a StoreError (or a bare envelope error) traceback at
+    every restart. One line naming --state and the row, exit 2, the job's rows as they were."""
+    import json
+
+    from aggregator.cli import main as aggregator_main
+
+    damage, change, words = RESTORE_REFUSED[case]
+    config = {"num_classes": 10, "job_id": "j1", "clients_per_round": 1}
+    seq = stored_job(tmp_path / "state.db", config)
+    if damage is not None:
+        damage(tmp_path / "state.db", seq)
+    before = database_dump(tmp_path / "state.db")
+    (tmp_path / "job.json").write_text(json.dumps({**config, **change}))
+    rc = aggregator_main(["serve", "--out", str(tmp_path / "o"), "--config", str(tmp_path / "job.json"),
+                          "--broker", broker.url, "--timeout", "5", "--state", str(tmp_path / "state.db")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "WARNING" not in line]
+    assert rc == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"fedfleet aggregator: error: --state {tmp_path / 'state.db'}: ") \
+        and words in lines[0], err
+    assert database_dump(tmp_path / "state.db") == before

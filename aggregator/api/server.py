@@ -163,7 +163,10 @@ def checked_sealing_key(args) -> None:
 @contextlib.contextmanager
 def state_refusals(state: Path | None) -> Iterator[None]:
     """What the store refuses as ``serve`` opens it (a file that is no fedfleet database, a newer
-    schema) is one line naming --state, exit 2, the store as it was (it was a StoreError traceback)."""
+    schema) or as --config's job is taken back from it (stored under another config, a row that
+    does not restore) is one line naming --state, exit 2, the store as it was (it was a StoreError
+    traceback at every restart: ``_start_next_job`` stops a stored job it cannot restore, but a
+    --config job is the command's own)."""
     from aggregator.storage.store import StoreError
 
     try:
@@ -214,8 +217,9 @@ def serve_with_ops(args, job, broker: BrokerConfig, out_dir: Path, settings: Ser
             broker = dataclasses.replace(broker, username=AGGREGATOR_ID, password=security.aggregator_password,
                                          tls_ca=broker.tls_ca or str(security.ca_cert))
     pool = shard_pool(args, shards, job, broker, out_dir, settings) if shards else None
-    service = AggregatorService(job, broker, out_dir, settings, enrolled=enrolled, eval_set=eval_set, store=store,
-                                security=security, artifacts=artifacts, identity=identity, shards=pool)
+    with state_refusals(args.state):         # --config's job, taken back from the store as it is built
+        service = AggregatorService(job, broker, out_dir, settings, enrolled=enrolled, eval_set=eval_set, store=store,
+                                    security=security, artifacts=artifacts, identity=identity, shards=pool)
     deployments = None
     if store is not None:                    # model rollouts, beside the service (aggregator/deployments/)
         from aggregator.deployments.controller import DeploymentController

@@ -144,7 +144,9 @@ class _RoundReplay:
         if r.round > self.done_round:                 # the job as it was right after this round opened
             restore_bookkeeping(a, self.draws, r)
         while self.next_payload is not None and self.next_payload.round == r.round:
-            job.apply(self.next_payload.device, job.parse_result(decode(self.next_payload.payload)))
+            c = self.next_payload
+            restorable(f"contribution {c.seq} of job {a.job_id!r} ({c.device}, round {c.round})",
+                       lambda: job.apply(c.device, job.parse_result(decode(c.payload))))
             self.replayed += 1
             self.next_payload = next(self._payloads, None)
         a.rounds[r.round] = coord
