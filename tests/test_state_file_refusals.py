@@ -50,7 +50,7 @@ REFUSED = {
                                               "a newer aggregator wrote it"),
     "a version that is no number": (store_of_version("x"), "schema version x, this aggregator uses 3"),
     "no database": (lambda p: p.write_bytes(b"these are not the bytes of an SQLite file\n" * 100),
-                    "is not a state database: SQLite cannot read it"),
+                    "cannot be opened as a state database: file is not a database"),
     "a folder": (lambda p: p.mkdir(), "is not a state database: it is not a regular file"),
     "a meta table of another program": (another_programs_meta, "its meta table is another's"),
 }

@@ -53,7 +53,7 @@ def existing_tables(path: Path) -> tuple[set[str], str | None] | None:
         finally:
             conn.close()
     except sqlite3.Error as exc:
-        raise StoreError(f"{path} is not a state database: SQLite cannot read it ({exc})") from None
+        raise StoreError(f"{path} cannot be opened as a state database: {exc}") from None     # locked, too
     return tables, None if row is None else str(row[0])
 
 
