@@ -11,12 +11,16 @@ loss and gradients, and with ``torch.optim.SGD`` after a few steps in the runtim
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.nn import functional as F
+
+from protocols.files import read_npy
+from protocols.regular_file import read_regular_file
 
 __all__ = [
     "ParityImages",
@@ -64,12 +68,13 @@ def _load_images(path: str | Path | None, count: int, split: str, use: str,
                 f"{error}. Export needs real images for its {use}: install the "
                 f"dataset or pass images ({option}).") from None
         return ParityImages(images[:count], labels[:count], f"fashion-mnist {split}[0:{count}]")
-    path = Path(path)
-    if path.suffix == ".npy":
-        images = np.load(path, allow_pickle=False)
-    else:
-        from edge_client.data.idx import read_idx
+    from edge_client.data.idx import MAX_IDX_BYTES, read_idx
 
+    path = Path(path)
+    if path.suffix == ".npy":   # as an IDX file is read: a regular file (a FIFO blocked np.load), bounded
+        data = read_regular_file(path, f"{use} images", MAX_IDX_BYTES)
+        images = read_npy(io.BytesIO(data), len(data), f"{use} images {path}")
+    else:
         images = read_idx(path)
     if images.dtype != np.uint8 or images.ndim not in (3, 4) or len(images) == 0:
         raise ValueError(

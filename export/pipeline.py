@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import importlib.metadata
+import io
 import logging
 import platform
 from pathlib import Path
@@ -51,7 +53,6 @@ from edge_client.runtime.program_modules import (
     TrunkModel,
 )
 from edge_client.runtime.training import TRAINING_BACKENDS, TrainingSession
-from edge_client.runtime.verification import file_sha256
 from export.batch_norm_folding import fold_batch_norms
 from export.executorch_export import lower_inference_program
 from export.manifest import describe_artifact, write_bundle
@@ -71,6 +72,9 @@ from protocols.files import read_npz
 from protocols.regular_file import read_regular_file
 
 MAX_HEAD_FILE_BYTES = 1 << 30      # a head's weights (100,000 classes of 1,280 float32 features: 0.5 GB)
+# a backbone's state dict (--weights): 14 MB (MobileNetV2) to 19 MB (EfficientNet-Lite0) of float32,
+# with room for float64 tensors and torch's zip padding
+MAX_WEIGHTS_FILE_BYTES = 256 << 20
 
 __all__ = [
     "DEFAULT_INFERENCE_RUNTIMES",
@@ -119,14 +123,20 @@ def _load_backbone(name: str, weights: Path | None):
         raise ExportError(f"unknown backbone {name!r}; choose one of {list(BACKBONES)}")
     if weights is None:
         return build_backbone(name, pretrained=True), weights_sha256(name)
+    # read once, bounded, never blocking on a FIFO: the digest recorded (devices and feature caches
+    # are keyed on it) is that of the bytes loaded, not of a second read of a file changed meanwhile
+    try:
+        data = read_regular_file(weights, f"{name} weights", MAX_WEIGHTS_FILE_BYTES)
+    except ValueError as error:
+        raise ExportError(f"cannot read {name} weights: {error}") from error
     with torch.random.fork_rng():
         backbone = build_backbone(name, pretrained=False)
     try:
-        state_dict = torch.load(weights, map_location="cpu", weights_only=True)
+        state_dict = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         backbone.load_state_dict(state_dict, strict=True)
     except Exception as error:      # noqa: BLE001 - torch's unpickler fails many ways (IndexError on a non-torch file)
         raise ExportError(f"cannot load {name} weights from {weights}: {type(error).__name__}: {error}") from error
-    return backbone.eval(), file_sha256(weights)
+    return backbone.eval(), hashlib.sha256(data).hexdigest()
 
 
 def _load_head(path: Path | None, num_classes: int, feature_dim: int) -> dict[str, np.ndarray]:
@@ -403,8 +413,6 @@ def _tail_eval_artifact(tail: TailModel, head: dict[str, np.ndarray], activation
     """The server's FT(φ)/FT(M) evaluation program: ``torch.export`` of :class:`TailClassifier`
     (any batch), saved as a ``.pt2``; parity = its logits vs the eager module's, with the
     parameters passed in by name as the server will (``torch.func.functional_call``)."""
-    import io
-
     module = TailClassifier(copy.deepcopy(tail), draft.feature_dim, draft.num_classes).eval()
     with torch.no_grad():
         module.weight.copy_(torch.from_numpy(head["weight"]))

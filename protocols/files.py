@@ -75,7 +75,8 @@ def read_npz(data: bytes, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, np.ndarra
             arrays = {}
             for member in members:
                 with archive.open(member) as stream:
-                    arrays[member.filename[:-len(".npy")]] = _read_member_array(member, stream)
+                    arrays[member.filename[:-len(".npy")]] = read_npy(stream, member.file_size,
+                                                                     f".npz member {member.filename[:100]!r}")
             return arrays
     except _UNREADABLE_ARCHIVE as exc:
         raise ValueError(f"not a readable .npz archive: {exc}") from None
@@ -90,26 +91,26 @@ def _check_member_names(members: list[zipfile.ZipInfo]) -> None:
         seen.add(member.filename)
 
 
-def _read_member_array(member: zipfile.ZipInfo, stream) -> np.ndarray:
-    """The array one .npy member holds, its bytes read straight into a fresh array; what
-    ``np.lib.format.read_array`` gives with ``allow_pickle=False``."""
-    name = repr(member.filename[:100])
+def read_npy(stream, size_bytes: int, what: str) -> np.ndarray:
+    """The array of the .npy ``stream`` is at (never a pickle; ``what`` names it in a ValueError),
+    its bytes read straight into a fresh array: what ``np.lib.format.read_array`` gives with
+    ``allow_pickle=False``. Its header may declare no more data than ``size_bytes`` (what the
+    stream holds), checked before the array is allocated."""
     try:
         shape, fortran_order, dtype = read_npy_header(stream)
     except _UNREADABLE_HEADER as exc:
-        raise ValueError(f".npz member {name} is not an .npy array: {exc}") from None
+        raise ValueError(f"{what} is not an .npy array: {exc}") from None
     if dtype.hasobject:
-        raise ValueError(f".npz member {name} holds Python objects, which are never loaded")
-    if math.prod(shape) * dtype.itemsize > member.file_size:
-        raise ValueError(f".npz member {name}: its header declares {shape} of {dtype}, more than its "
-                         f"{member.file_size:,} bytes")
+        raise ValueError(f"{what} holds Python objects, which are never loaded")
+    if math.prod(shape) * dtype.itemsize > size_bytes:
+        raise ValueError(f"{what}: its header declares {shape} of {dtype}, more than its {size_bytes:,} bytes")
     array = np.empty(shape[::-1] if fortran_order else shape, dtype=dtype)
     view = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
     filled = 0
     while filled < len(view):
         got = stream.readinto(view[filled:])
         if not got:
-            raise ValueError(f".npz member {name}: its data ends after {filled:,} of {len(view):,} bytes")
+            raise ValueError(f"{what}: its data ends after {filled:,} of {len(view):,} bytes")
         filled += got
     return array.T if fortran_order else array
 
