@@ -8,6 +8,10 @@ indexed: a regular file of the indexed size hashing to the indexed sha256 (a rev
 file swapped after indexing for a link outside the folder was sent, bytes and all, to any device
 asking; one swapped for a FIFO held the service loop for ever). Anything else is answered as a
 file the shelf does not hold.
+
+A device asks by sha256 alone, so files with the same bytes under several names (in one bundle or
+in several) are one file here, served under one of their names; the device writes it under the
+name its manifest gives (``edge_client.artifacts``).
 """
 
 from __future__ import annotations

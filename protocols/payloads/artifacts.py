@@ -13,7 +13,10 @@ answers with the bytes (chunked like any large envelope), the device checks the 
 
 Files are content-addressed: a bundle is fetched by its manifest's sha256 (announced with the
 job), then every file the manifest lists, by the sha256 the manifest gives. A device accepts no
-byte whose digest differs, so a compromised broker or aggregator cannot swap a model.
+byte whose digest differs, so a compromised broker or aggregator cannot swap a model. An ask
+carries the digest alone, so of several files with the same bytes (two names in one bundle, or
+in two bundles) the ``name`` of the answer is any of them: a bundle's file is written under its
+manifest's name.
 """
 
 from __future__ import annotations
