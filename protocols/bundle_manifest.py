@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -385,8 +386,21 @@ class Manifest:
         return manifest
 
 
+def _whole_string_pattern(validator, pattern: str, instance: Any, schema: Any):
+    # A schema's patterns are ECMA-262's, whose "$" matches only at the end of the string; under
+    # Python's re.search (jsonschema's) it also matches before a final newline, and a manifest
+    # listing "inference_eager.pt\n" passed. Every pattern of MANIFEST_SCHEMA is anchored (^...$),
+    # so a full match is the ECMA-262 one.
+    if validator.is_type(instance, "string") and not re.fullmatch(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_MANIFEST_VALIDATOR = jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                                   {"pattern": _whole_string_pattern})
+
+
 def _validate(data: Any) -> None:
-    validator = jsonschema.Draft202012Validator(MANIFEST_SCHEMA)
+    validator = _MANIFEST_VALIDATOR(MANIFEST_SCHEMA)
     errors = sorted(validator.iter_errors(data), key=lambda error: list(error.absolute_path))
     if errors:
         first = errors[0]

@@ -94,3 +94,37 @@ def test_a_manifest_naming_a_key_twice_is_refused_as_the_java_device_refuses_it(
         read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(good)
     assert read_manifest(tmp_path).feature_dim == 4
+
+
+@pytest.mark.parametrize("where,value", [
+    (("artifacts", 0, "file"), "inference_eager.pt\n"),
+    (("artifacts", 0, "sha256"), hashlib.sha256(b"p").hexdigest() + "\n"),
+    (("backbone", "weights_sha256"), "0" * 64 + "\n"),
+    (("artifacts", 0, "inputs", 0, "name"), "image\n"),
+])
+def test_a_name_or_digest_with_a_final_newline_is_refused(tmp_path, where, value):
+    """A review's finding: the schema's patterns end in "$", which under Python's re (jsonschema's)
+    also matches before a final newline, so a manifest listing "inference_eager.pt\\n" was read."""
+    from protocols.bundle_manifest import MANIFEST_SCHEMA, parse_manifest
+
+    data = json.loads(manifest_for(b"p").dumps())
+    assert parse_manifest(json.dumps(data).encode(), tmp_path / "manifest.json").artifacts  # the control
+    target = data
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    with pytest.raises(ManifestError, match="does not match"):
+        parse_manifest(json.dumps(data).encode(), tmp_path / "manifest.json")
+
+    def patterns(node):
+        if isinstance(node, dict):
+            yield from ([node["pattern"]] if isinstance(node.get("pattern"), str) else [])
+            for child in node.values():
+                yield from patterns(child)
+        elif isinstance(node, list):
+            for child in node:
+                yield from patterns(child)
+
+    # the full match is ECMA-262's reading only for anchored patterns: every one is
+    found = list(patterns(MANIFEST_SCHEMA))
+    assert len(found) >= 4 and all(p.startswith("^") and p.endswith("$") for p in found)
