@@ -75,7 +75,10 @@ def recorded_reference(manifest: Manifest, kind: str) -> np.ndarray | None:
 
 
 def parity_error(output: np.ndarray, reference: np.ndarray, spec: ArtifactSpec) -> tuple[float, float, str]:
-    """(error, tolerance, metric) of ``output`` against ``reference``, by the artifact's own parity rule."""
+    """(error, tolerance, metric) of ``output`` against ``reference``, by the artifact's own parity rule;
+    ValueError when their shapes differ (subtracted with broadcasting, one row for two inputs scored 0)."""
+    if output.shape != reference.shape:
+        raise ValueError(f"output of shape {tuple(output.shape)}, the reference's is {tuple(reference.shape)}")
     metric = str(spec.parity.get("tolerance_metric", "max_abs_error"))
     tolerance = float(spec.parity.get("tolerance", 1e-4))
     diff = output.astype(np.float64) - reference.astype(np.float64)
@@ -153,13 +156,19 @@ class RuntimeCalibration:
     @staticmethod
     def _reference(manifest: Manifest, kind: str, programs: dict) -> np.ndarray:
         if "eager" in programs:
-            return programs["eager"].run(calibration_input(manifest, REFERENCE_ROWS))
-        recorded = recorded_reference(manifest, kind)
-        if recorded is None:
+            reference = programs["eager"].run(calibration_input(manifest, REFERENCE_ROWS))
+        else:
+            reference = recorded_reference(manifest, kind)
+        if reference is None:
             raise RuntimeUnavailableError(
                 f"--runtime auto needs a parity reference: the bundle in {manifest.directory} has no eager program "
                 f"usable here and no recorded {REFERENCE_KEY} (re-export it with this fedfleet)")
-        return recorded
+        # every program is held to the reference's shape: it must be the manifest's, one row an image
+        expected = (REFERENCE_ROWS, *next(s for s in manifest.artifacts if s.kind == kind).outputs[0].shape[1:])
+        if reference.shape != expected:
+            raise RuntimeUnavailableError(f"--runtime auto: the parity reference has shape {tuple(reference.shape)}, "
+                                          f"not the manifest's {expected} for {REFERENCE_ROWS} images")
+        return reference
 
     def choose(self, manifest: Manifest, kind: str = "inference"):
         """The fastest program that keeps parity, with ``.calibration`` (every trial) attached."""
