@@ -11,6 +11,9 @@ stale program.
 from __future__ import annotations
 
 import fcntl
+import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +23,8 @@ from export import EXPORTER_REVISION
 # RUNTIMES, and must not pay torch's import (~1.3 s) to report a mistake
 if TYPE_CHECKING:
     from edge_client.features import FeatureExtractor
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUNDLE_ROOT = Path(".cache/bundles")
 # "executorch-int8": the bundle's ExecuTorch program quantized to int8 (export --quantize int8);
@@ -76,8 +81,23 @@ def _exported_once(out: Path, export_args: dict) -> Path:
         if not manifest.exists():
             from export import export_bundle
 
+            _set_aside_what_is_no_bundle(out)
             export_bundle(out_dir=out, **export_args)
     return manifest
+
+
+def _set_aside_what_is_no_bundle(out: Path) -> None:
+    """Move whatever stands under the bundle's name without a manifest (a non-empty folder, a file,
+    a link) aside, to a hidden ``.{name}.stale-*`` folder beside it, and say where: the export
+    refuses a non-empty folder, so one left there (a manifest deleted, a copy cut short) failed
+    every later run after a whole export (a review's finding). It is kept, not deleted: the cache
+    cannot tell whose files those are. An empty folder stays (the export writes into it)."""
+    if not os.path.lexists(out) or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.stale-", dir=out.parent))
+    os.replace(out, aside / out.name)
+    log.warning("%s held no bundle (no manifest.json): moved to %s and exported again; delete it once you "
+                "know nothing in it is needed", out, aside / out.name)
 
 
 def make_extractor(backbone: str, image_size: int, cache_dir: str | None, runtime: str = "eager",
