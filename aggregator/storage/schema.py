@@ -49,7 +49,7 @@ _NOTE_FLEET_CHANGE = ("INSERT INTO fleet_changes (device_id, seq) VALUES ({row}.
                       "ON CONFLICT(device_id) DO UPDATE SET seq = excluded.seq")
 FLEET_TRIGGERS = "\n".join(
     f"CREATE TRIGGER IF NOT EXISTS fleet_change_{table}_{event.split()[0].lower()} AFTER {event} ON {table} "
-    f"BEGIN {_NOTE_FLEET_CHANGE.format(row='OLD' if event == 'DELETE' else 'NEW')}; END;"
+    f"FOR EACH ROW BEGIN {_NOTE_FLEET_CHANGE.format(row='OLD' if event == 'DELETE' else 'NEW')}; END;"
     for table, events in (("devices", ("INSERT", "UPDATE OF status", "DELETE")),
                           ("device_tags", ("INSERT", "UPDATE", "DELETE")))
     for event in events)
