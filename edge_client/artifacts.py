@@ -172,27 +172,33 @@ def fetch_bundle(device_id: str, broker: BrokerConfig, manifest_sha256: str, des
             manifest = parse_manifest(manifest_bytes, dest / MANIFEST_FILENAME)
         except ManifestError as exc:
             raise ArtifactFetchError(f"bundle {manifest_sha256[:16]}…: {exc}") from exc
-        total = sum(spec.size_bytes for spec in manifest.artifacts)
-        if total > max_bundle_bytes:
-            raise ArtifactFetchError(f"bundle {manifest_sha256[:16]}… lists {total} bytes of files, more than "
-                                     f"the {max_bundle_bytes} this device takes for a bundle")
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in [spec.file for spec in manifest.artifacts] + [MANIFEST_FILENAME]:
-            _no_folder_at(dest / name)          # before anything is fetched: a removal that fails costs no fetch
-        # A file is asked for by its sha256 alone, so of files with the same bytes (in one bundle or
-        # two) the aggregator answers under any of their names: each is written under its manifest's
-        # names, whatever name the reply gives (a review's finding: the device refused the other
-        # name, and never got the bundle). Same bytes are asked for once: the aggregator answers a
-        # device's asks for one file only twice in 30 s (its ARTIFACT_RESEND_S)
-        specs_by_digest: dict[str, list] = {}
-        for spec in manifest.artifacts:
-            specs_by_digest.setdefault(spec.sha256, []).append(spec)
-        for sha, specs in specs_by_digest.items():
-            _, data = fetch(sha, specs[0].size_bytes)
-            for name in (spec.file for spec in specs):
-                write_atomic(dest / name, data)  # write-then-rename: no half-written file is ever used
-            del data                             # freed before the next file arrives
+        _fetch_files(fetch, manifest, manifest_sha256, dest, max_bundle_bytes)
     finally:
         link.stop()
     write_atomic(dest / MANIFEST_FILENAME, manifest_bytes)     # last: only a whole bundle has one
     return dest / MANIFEST_FILENAME
+
+
+def _fetch_files(fetch, manifest, manifest_sha256: str, dest: Path, max_bundle_bytes: int) -> None:
+    """The manifest's files, each fetched by its digest (``fetch(sha, size)``) and written under its
+    names in ``dest``: refused whole when they would hold more than ``max_bundle_bytes``."""
+    total = sum(spec.size_bytes for spec in manifest.artifacts)
+    if total > max_bundle_bytes:
+        raise ArtifactFetchError(f"bundle {manifest_sha256[:16]}… lists {total} bytes of files, more than "
+                                 f"the {max_bundle_bytes} this device takes for a bundle")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in [spec.file for spec in manifest.artifacts] + [MANIFEST_FILENAME]:
+        _no_folder_at(dest / name)          # before anything is fetched: a removal that fails costs no fetch
+    # A file is asked for by its sha256 alone, so of files with the same bytes (in one bundle or
+    # two) the aggregator answers under any of their names: each is written under its manifest's
+    # names, whatever name the reply gives (a review's finding: the device refused the other
+    # name, and never got the bundle). Same bytes are asked for once: the aggregator answers a
+    # device's asks for one file only twice in 30 s (its ARTIFACT_RESEND_S)
+    specs_by_digest: dict[str, list] = {}
+    for spec in manifest.artifacts:
+        specs_by_digest.setdefault(spec.sha256, []).append(spec)
+    for sha, specs in specs_by_digest.items():
+        _, data = fetch(sha, specs[0].size_bytes)
+        for name in (spec.file for spec in specs):
+            write_atomic(dest / name, data)  # write-then-rename: no half-written file is ever used
+        del data                             # freed before the next file arrives
