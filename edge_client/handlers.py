@@ -27,6 +27,7 @@ from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.state import DeviceStateStore
 from edge_client.sample_windows import WINDOWS_FILE, SampleWindowLedger
+from edge_client.secure_inputs import SECURE_INPUTS_FILE, SecureInputLedger
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.partial_training import PartialTrainingTask
 from edge_client.tasks.fedgloss_training import FedGlossTrainingTask
@@ -235,11 +236,14 @@ def secure_only(handlers: dict) -> dict:
             for kind, handler in handlers.items()}
 
 
-def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict) -> dict:
+def secure_handlers(identity: DeviceIdentity, aggregator_key: bytes, handlers: dict,
+                    state: DeviceStateStore | None = None) -> dict:
     """Protocol handlers for secure rounds (Fed3R-Sync, secure FedAvg of the head or the tail,
     secure LADD) around whichever of those plain handlers a device has; one session registry
-    routes every secagg message."""
-    sessions = SecAggSessions(identity.device_id)
+    routes every secagg message. Which member sets each input went to is kept in the store's
+    folder (``edge_client/secure_inputs.py``; without a store, in memory)."""
+    inputs = SecureInputLedger(state.root / SECURE_INPUTS_FILE if state is not None else None)
+    sessions = SecAggSessions(identity.device_id, inputs=inputs)
     secure = {}
     for plain, (secure_kind, client) in SECURE_VARIANTS.items():
         if plain in handlers:       # an Unsupported plain handler declines its secure kind alike

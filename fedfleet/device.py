@@ -197,7 +197,7 @@ def _start_device(args) -> SimpleNamespace:
                                HandlerConfig(str(args.training_bundle) if args.training_bundle else None,
                                              str(args.tail_bundle) if args.tail_bundle else None),
                                state=(state := state_store(args)))
-    signer, protocol_handlers = _signing(args, identity, handlers)
+    signer, protocol_handlers = _signing(args, identity, handlers, state)
     if args.secure_only:        # after the secure handlers, which wrap the plain ones
         handlers = secure_only(handlers)
     agent = DeviceAgent(args.id, broker, handlers, Topics(args.topic_root), signer=signer,
@@ -279,7 +279,7 @@ def _identity(args):
     return DeviceIdentity.from_pem(args.id, read_regular_file(args.identity, "--identity", OPTION_FILE_BYTES))
 
 
-def _signing(args, identity, handlers: dict) -> tuple:
+def _signing(args, identity, handlers: dict, state=None) -> tuple:
     """(signer, protocol handlers): the device's signature and, with the aggregator's key, the
     secure-aggregation handlers around its task handlers; (None, {}) without an identity."""
     from edge_client.handlers import secure_handlers
@@ -288,7 +288,7 @@ def _signing(args, identity, handlers: dict) -> tuple:
         return None, {}
     if not args.aggregator_key:
         return identity.sign, {}
-    return identity.sign, secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers)
+    return identity.sign, secure_handlers(identity, bytes.fromhex(args.aggregator_key), handlers, state)
 
 
 def state_folder(args, create: bool) -> list[Path]:

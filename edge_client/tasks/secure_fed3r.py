@@ -7,6 +7,9 @@ after scaling the vector's blocks when the task says how (``block_scales``). The
 center's round (``center_round``) takes only (Σ z, n) of its clipped rows, noised whole; the
 rounds after it carry the center (``centered``, the ``feature_center`` tensor), which the
 statistics subtract from every row before the clip, as in plain DP Fed3R.
+
+Its input key is the vector before noise (``edge_client/secure_inputs.py``): the statistics are a
+function of the device's window, so the same window sent to two groups is the same input.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from protocols.payloads.secagg import SYNC_KIND, pack_sync_vector, scale_sync_bl
 from protocols.payloads.secure_tasks import SecureFed3RParams
 
 from ..agent import TaskDeclined
+from ..secure_inputs import input_key
 from .fed3r_stats import Fed3RStatsTask
 from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
@@ -34,24 +38,32 @@ class SecureFed3R(SecureUpdate):
         self.stats = stats
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        return self.contribution(params, tensors)[0]
+
+    def contribution(self, params: dict, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, str]:
+        """The vector and its input key: the digest of the vector before any noise, this device's
+        exact input (the task's ignored fields, format or a larger max_samples, cannot rename it)."""
         task = read_params(SecureFed3RParams, params, SYNC_KIND)
         body, stats = self.stats(dataclasses.replace(task, format="dense", dtype="float64"), tensors)
         n = body["n"]
         if n > task.max_samples:
             raise TaskDeclined(f"{n} local samples exceed the round's bound of {task.max_samples}")
         if task.center_round:        # (Σ z, n), every entry noised: the count is the center's denominator
-            center = sync_center_vector(stats["A_upper"], np.shape(stats["b"])[1])
-            return self.add_noise(center, task.dp, noised=slice(0, len(center)))
-        if task.dp is None:
-            return pack_sync_vector(stats["A_upper"], stats["b"], n)
-        # Distributed DP (features clipped, samples capped by the stats task): the sample count would
-        # be an un-noised release, so it is left out of the sum (0), and the statistics carry noise.
-        vector = pack_sync_vector(stats["A_upper"], stats["b"], 0)
-        if task.block_scales is not None:       # per-block noise: the blocks scaled, 1 in the count slot
-            num_classes, p = np.shape(stats["b"])
-            vector = scale_sync_blocks(vector, p, num_classes, task.block_scales.a_off_diagonal, task.block_scales.b)
-            vector[-1] = 1.0
-        return self.add_noise(vector, task.dp)
+            clean = sync_center_vector(stats["A_upper"], np.shape(stats["b"])[1])
+            noised = slice(0, len(clean))
+        elif task.dp is None:
+            clean, noised = pack_sync_vector(stats["A_upper"], stats["b"], n), None
+        else:
+            # Distributed DP (features clipped, samples capped by the stats task): the sample count would
+            # be an un-noised release, so it is left out of the sum (0), and the statistics carry noise.
+            clean, noised = pack_sync_vector(stats["A_upper"], stats["b"], 0), None
+            if task.block_scales is not None:       # per-block noise: the blocks scaled, 1 in the count slot
+                num_classes, p = np.shape(stats["b"])
+                clean = scale_sync_blocks(clean, p, num_classes, task.block_scales.a_off_diagonal,
+                                          task.block_scales.b)
+                clean[-1] = 1.0
+        named = input_key(SYNC_KIND, {}, {"input": clean})
+        return (clean if task.dp is None else self.add_noise(clean, task.dp, noised=noised)), named
 
 
 __all__ = ["SecureFed3R"]

@@ -10,6 +10,12 @@ is sent (the device declines the task).
 Subclasses: ``SecureFed3R`` (statistics, ``secure_fed3r.py``) and ``SecureFedAvgTraining``
 (FedAvg updates of the head or the backbone tail, ``secure_fedavg_training.py``) and
 ``SecureLaddTraining`` (``secure_ladd_training.py``).
+
+Across rounds: the device's ``SecureInputLedger`` (``edge_client/secure_inputs.py``) lets one
+input be revealed in sums over one member set only (each round's release guard: a round of
+other members is left, the reason logged); an unreadable ledger declines the task. A
+task re-sent for a (job, round, group) whose round is still live is a duplicate: answered with
+nothing, the live round kept (replacing it would drop the device out with fresh keys).
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
 from protocols.payloads.secure_tasks import SecureUpdateRound
 from protocols.payloads.task_params import DpRound, WireParams
-from protocols.secagg import ClientSecAgg, ClientState, SecAggError
+from protocols.secagg import ClientSecAgg, ClientState, ReleaseRefused, SecAggError
 from protocols.secagg.distributed_dp import add_skellam_noise
 from protocols.secagg.fixedpoint import RING_BITS
 
 from ..agent import MessageHandler, SecureTaskHandler, TaskDeclined
+from ..secure_inputs import LOST_REASON, SecureInputLedger, input_key
 from .params import read_params
 
 log = logging.getLogger("fedfleet.device.secagg")
@@ -39,16 +46,28 @@ class SecAggSessions(MessageHandler):
     """A device's open secure-aggregation sessions, keyed by (job, round, group).
 
     Register it as the agent's ``secagg`` message handler; every ``SecureUpdate`` of the device
-    opens its sessions here, so one device can serve several secure task kinds."""
+    opens its sessions here, so one device can serve several secure task kinds. ``inputs``: the
+    device's secure-input ledger, shared by those kinds (default: one in memory)."""
 
-    def __init__(self, device_id: str, max_sessions: int = 4):
+    def __init__(self, device_id: str, max_sessions: int = 4, inputs: SecureInputLedger | None = None):
         self.device_id, self.max_sessions = device_id, max_sessions
         self.sessions: dict[tuple[str, int, str], ClientSecAgg] = {}
+        self.inputs = SecureInputLedger() if inputs is None else inputs
 
-    def open(self, key: tuple[str, int, str], client: ClientSecAgg) -> None:
+    def live(self, key: tuple[str, int, str]) -> bool:
+        """Whether the round ``key`` is open here and not over."""
+        client = self.sessions.get(key)
+        return client is not None and client.state not in (ClientState.FINISHED, ClientState.ABORTED)
+
+    def open(self, key: tuple[str, int, str], client: ClientSecAgg) -> bool:
+        """Open ``key``'s round with ``client``; False (nothing changed) where a live one holds it."""
+        if self.live(key):
+            return False
+        self.sessions.pop(key, None)
         self.sessions[key] = client
         while len(self.sessions) > self.max_sessions:          # forget the oldest rounds
             self.sessions.pop(next(iter(self.sessions)))
+        return True
 
     def on_message(self, env: Envelope) -> list[Envelope]:
         msg = from_envelope(env)
@@ -60,6 +79,10 @@ class SecAggSessions(MessageHandler):
         key = (msg.job_id, msg.round_id, msg.group_id)
         try:
             replies = [to_envelope(r) for r in client.handle(msg)]
+        except ReleaseRefused as exc:       # the round is aborted: the input does not leave
+            self.sessions.pop(key, None)
+            log.warning("%s: leaves secure round %s/%s: %s", self.device_id, msg.job_id, msg.round_id, exc)
+            return []
         except SecAggError as exc:
             log.warning("%s: secagg error: %s", self.device_id, exc)
             return []
@@ -131,19 +154,32 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
         """The float vector this device contributes to the group sum (raise TaskDeclined to refuse)."""
         raise NotImplementedError
 
+    def contribution(self, params: dict, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, str]:
+        """The vector and its input key (``edge_client/secure_inputs.py``): by default the task's
+        (its kind, params and tensors), for an update that differs each time it is computed."""
+        return self.vector(params, tensors), input_key(getattr(self, "kind", type(self).__name__), params, tensors)
+
     def on_task(self, job: str, round_: int, params: dict, tensors: dict[str, np.ndarray] | None = None
                 ) -> list[Envelope]:
-        vector = self.vector(params, tensors or {})
+        tensors = tensors or {}
         secure = read_params(self.round_type, params)
         key = (job, round_, secure.group)
+        if self.sessions.live(key):             # a re-sent task: its round goes on with the keys it has
+            log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
+            return []
+        vector, named = self.contribution(params, tensors)
+        if self.sessions.inputs.lost is not None and self.sessions.inputs.reload() is not None:
+            raise TaskDeclined(LOST_REASON)
         try:
             # a distributed-DP share is scaled for the 64-bit ring (distributed_dp.py): no other ring
             client = ClientSecAgg(self.identity, "aggregator", self.aggregator_public_key, job_id=job,
                                   round_id=round_, group_id=key[2], input_vector=vector,
-                                  ring_bits=None if secure.dp is None else RING_BITS)
+                                  ring_bits=None if secure.dp is None else RING_BITS,
+                                  release_guard=self.sessions.inputs.release(named))
         except SecAggError as exc:
             raise TaskDeclined(f"secure aggregation refused the update: {exc}") from exc
-        self.sessions.open(key, client)
+        if not self.sessions.open(key, client):     # opened meanwhile by the same task
+            log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
         return []
 
     def on_message(self, env: Envelope) -> list[Envelope]:

@@ -18,10 +18,11 @@ Integration sketch (the lead's transport carries `to_wire()` output in its envel
 See protocols/secagg/driver.py for a complete in-memory run and docs/secure-aggregation.md.
 """
 
-from .client import ClientSecAgg, ClientState
+from .client import ClientSecAgg, ClientState, ReleaseGuard
 from .config import GRAPH_AUTO, GRAPH_COMPLETE, GRAPH_REGULAR, RoundConfig
 from .errors import (AuthenticationError, BadSignature, ConfigError, DecryptionError, InputError,
-                     MalformedMessage, ProtocolViolation, ReconstructionError, ReplayedMessage, SecAggError,
+                     MalformedMessage, ProtocolViolation, ReconstructionError, ReleaseRefused, ReplayedMessage,
+                     SecAggError,
                      UnexpectedMessage, UnknownSender, WrongContext)
 from .events import AggregateReady, MemberOffline, Phase, RoundFailed, Timeout
 from .fixedpoint import FixedPointCodec, fed3r_bound, max_scale_bits
@@ -40,4 +41,5 @@ __all__ = [
     "ConsistencySignature", "UnmaskShares", "ShareAccusation", "SecAggError", "ConfigError", "InputError", "MalformedMessage",
     "AuthenticationError", "UnknownSender", "BadSignature", "WrongContext", "UnexpectedMessage",
     "ReplayedMessage", "DecryptionError", "ProtocolViolation", "ReconstructionError",
+    "ReleaseRefused", "ReleaseGuard",
 ]

@@ -24,6 +24,13 @@ secrets, because the server is then provably misbehaving.
 
 A client answers at most one UnmaskRequest, and the request's survivor and dropped sets are
 disjoint, so it never reveals both the b-share and the s-share of any peer.
+
+``release_guard`` (optional, the device's): asked, once every check has passed, before the
+masked input leaves (with the key directory's participants U1: any sum revealing it is over a
+subset of them) and before the unmask shares leave (with the survivors U3: the sum revealed).
+A reason it returns aborts the round (ReleaseRefused), erasing the secrets. The device uses it
+against multi-round differencing (edge_client/secure_inputs.py); this package keeps no memory
+across rounds.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from __future__ import annotations
 import enum
 import functools
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -45,12 +52,21 @@ from .crypto import aead_decrypt, aead_encrypt, apply_masks, generate_x25519, x2
 from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
     pair_mask_sign, self_mask_commitment, share_associated_data, share_encryption_key
 from .errors import (BadSignature, ConfigError, DecryptionError, InputError, MalformedMessage, ProtocolViolation,
-                     ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
+                     ReleaseRefused, ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
 from .events import Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
                        ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
                        ShareAccusation, UnmaskRequest, UnmaskShares, consistency_statement)
+
+
+class ReleaseGuard(Protocol):
+    """The device's say over whether its input may leave in this round (module doc): a reason to
+    refuse, or None. Each is asked at most once per round, last, so None means it leaves."""
+
+    def masked_input(self, participants: frozenset[str]) -> str | None: ...
+
+    def unmask(self, survivors: frozenset[str]) -> str | None: ...
 
 
 class ClientState(str, enum.Enum):
@@ -101,11 +117,12 @@ def advertisement_valid(context: RoundContext, sender: str, recipient: str, ciph
 class ClientSecAgg:
     def __init__(self, identity: DeviceIdentity, aggregator_id: str, aggregator_public_key: bytes, *,
                  job_id: str, round_id: int, group_id: str, input_vector: np.ndarray | None = None,
-                 ring_bits: int | None = None) -> None:
+                 ring_bits: int | None = None, release_guard: ReleaseGuard | None = None) -> None:
         """``ring_bits``: the ring this device's input needs (a device adding distributed-DP noise,
         scaled for the 64-bit ring, asks for 64); a round in another ring is refused at its start.
-        None: whichever ring the round declares."""
+        None: whichever ring the round declares. ``release_guard``: the module doc."""
         self.identity = identity
+        self.release_guard = release_guard
         self.required_ring_bits = ring_bits
         self.device_id = identity.device_id
         self.aggregator_id = aggregator_id
@@ -328,6 +345,7 @@ class ClientSecAgg:
         apply_masks(masked, seeds)
         replies = [self._reply(ShareAccusation, accused=tuple(accused))] if accused else []
         replies.append(self._reply(MaskedInput, masked_input=masked))       # after it: it may close the phase
+        self._ask_guard("masked_input", self._participants)                 # last: it may record the release
         self._held_shares, self._u2_neighbours = held, frozenset(message.senders)
         self.accused = tuple(accused)
         self._encoded_input = self._raw_input = None
@@ -369,9 +387,14 @@ class ClientSecAgg:
         reply = self._reply(UnmaskShares, self_mask_owners=tuple(self_mask_owners),
                             self_mask_shares=rows(self_mask_owners, 1), key_owners=tuple(key_owners),
                             key_shares=rows(key_owners, 0))
+        self._ask_guard("unmask", frozenset(survivors))
         self.revealed = {**{o: "self_mask" for o in self_mask_owners}, **{o: "mask_key" for o in key_owners}}
         self._erase_secrets()
         return [reply]
+
+    def _ask_guard(self, step: str, members: frozenset[str]) -> None:
+        if self.release_guard is not None and (reason := getattr(self.release_guard, step)(members)) is not None:
+            raise ReleaseRefused(reason)
 
     def _check_consistency_signatures(self, message: UnmaskRequest) -> None:
         signers = self.config.from_bitmap(message.consistency_signers)
@@ -405,11 +428,12 @@ class ClientSecAgg:
 
 def _phase(handler: Callable[[ClientSecAgg, Message], list[Message]], next_state: ClientState):
     """A phase row's effect: the handler computes the reply, then the phase is recorded and the
-    state moves on. A ProtocolViolation (the server provably misbehaves) aborts the round first."""
+    state moves on. A ProtocolViolation (the server provably misbehaves) or a ReleaseRefused (the
+    device's release guard) aborts the round first."""
     def effect(client: ClientSecAgg, message: Message) -> list[Message]:
         try:
             outgoing = handler(client, message)
-        except ProtocolViolation:
+        except (ProtocolViolation, ReleaseRefused):
             client._abort()
             raise
         client._handled.add(type(message))

@@ -2,7 +2,7 @@
 
 Rule shared by both sides: when `handle()` raises one of these for an incoming message, the
 state machine's state is exactly what it was before the call (the message is simply not
-applied), except for ProtocolViolation on the client, which also aborts the client's round and
+applied), except for ProtocolViolation and ReleaseRefused on the client, which also abort the client's round and
 erases its secrets. The caller logs the error and keeps going.
 """
 
@@ -63,6 +63,12 @@ class DecryptionError(SecAggError):
 class ProtocolViolation(SecAggError):
     """An authenticated peer asked for something the protocol forbids (e.g. both shares of one
     peer); on the client this aborts the round."""
+
+
+class ReleaseRefused(SecAggError):
+    """The device's own rule forbids this input to leave in this round (its ``release_guard``:
+    e.g. the same input already went to a round of other members, whose sums could be
+    differenced); like ProtocolViolation, this aborts the client's round."""
 
 
 class ReconstructionError(SecAggError):

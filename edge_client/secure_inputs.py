@@ -1,0 +1,207 @@
+"""The device's secure-input ledger: one input, revealed in a sum over one member set only.
+
+SecAgg reveals a group's sum, never a member's input, within one round. Across rounds it does
+not: a device that sends the **same input** to several secure rounds (a Fed3R-Sync or FedNCM-Sync
+device asked again over the same samples, without DP: its statistics are a function of its
+window; a re-sent identical FedAvg task) lets an aggregator that regroups it difference the sums.
+Groups {u,v,w}, {v,w,z}, {u,v,z}, {u,w,z} give four equations in four inputs, and u's statistics
+come out exactly (``tests/test_secure_input_ledger.py`` runs it; So et al., "Securing Secure
+Aggregation: Mitigating Multi-Round Privacy Leakage in Federated Learning").
+
+**The rule.** An input is named by a digest of what determines it (``input_key``: Fed3R-Sync's
+vector before any noise, the device's exact statistics; for an update that differs each time it is
+computed, the task: its kind, params but the group, tensors). Per input, the device keeps the
+digest of one member set, the set every sum of it may be over:
+
+* its masked input leaves only in a round whose key directory lists exactly that set (every sum
+  that could reveal it is over a subset of those participants); with none kept yet, it leaves and
+  the participants are kept (written before it leaves);
+* it answers the unmask phase only when the survivors are exactly the set kept, except in the
+  round that first sent it, where the survivors (a subset of the participants) become the set kept.
+
+So two revealed sums holding the same input are over the same members; when every honest member
+keeps the rule, the distinct sets sums are over are disjoint, and no difference isolates anyone.
+Why the masked input, not the unmask answer, is the point where the set is kept: once it has left,
+a server can rebuild this device's self-mask from its neighbours' shares without ever asking it
+(it withholds this device's ``UnmaskRequest``, or sends it a ``RoundAborted``): "a round that failed
+before unmasking revealed nothing" is the server's word only. So an input whose round ended after it
+left is sent again only to the same participants, all of them surviving. A round that failed before
+the masked input left (dropouts in the key or share phases) keeps nothing, and its retry, in any
+group, is answered. The cost: a member whose masked input left in a round that then failed does not
+join another group with the same input (it leaves that round, ``OTHER_MEMBERS_REASON`` logged).
+
+**Limits.** The rule holds the device's same input; a sum can still be rebuilt by its other
+holders (a strict majority, 2t' > holders) when those are corrupt or hold no kept set for their
+own input. Inputs that differ but overlap (Fed3R windows [0, n) and [0, n + 8)) are different
+inputs here; the sample-window ledger (``sample_windows.py``) bounds what their differences
+isolate. Distributed-DP rounds are named by their params (noise scale included) before their
+noise, so their re-sends are held too. docs/secure-aggregation.md, "Threat model", says more.
+
+**Kept** in the device's state folder (``secure_inputs.json``), else in memory for the process's
+life. Bounded: ``MAX_INPUTS`` entries, the oldest forgotten first (a secure FedAvg device adds one
+a round). A file that cannot be read (damaged, too large, not ours) fails closed: every secure
+input is refused with ``LOST_REASON`` until an operator repairs it or moves it aside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from protocols.envelope import parse_strict_json
+from protocols.files import write_atomic
+from protocols.regular_file import read_small_file
+
+from edge_client.state import TEMP_PREFIX
+
+log = logging.getLogger("fedfleet.device")
+
+SECURE_INPUTS_FILE = "secure_inputs.json"
+MAX_INPUTS = 1024
+DIGEST_HEX = 32         # 128 bits of SHA-256: a collision would need 2^64 inputs
+# each entry ["<32 hex>", "<32 hex>"] is 72 bytes
+MAX_FILE_BYTES = 80 * MAX_INPUTS + 64
+OTHER_MEMBERS_REASON = ("this device's input to this task already went to a secure round of other members: "
+                        "revealed over these too, the two sums could be differenced (multi-round leakage), so it "
+                        "takes part only in a round of those same members")
+LOST_REASON = (f"this device's secure-input ledger ({SECURE_INPUTS_FILE} in its state folder) could not be read: it "
+               "sends no secure input until an operator repairs that file or moves it aside")
+
+
+def member_digest(members) -> str:
+    """The digest of a member set (device ids; order does not matter)."""
+    return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:DIGEST_HEX]
+
+
+def input_key(kind: str, params: dict, tensors: dict[str, np.ndarray], extent=None) -> str:
+    """The digest naming one input: what determines it, the group (the round's routing) left out.
+    No job or round id either: the same task under another job's name is the same input."""
+    h = hashlib.sha256(json.dumps({"kind": kind, "params": {k: v for k, v in params.items() if k != "group"},
+                                   "extent": extent}, sort_keys=True, default=repr).encode())
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        h.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        h.update(array.tobytes())
+    return h.hexdigest()[:DIGEST_HEX]
+
+
+class SecureInputLedger:
+    """Per input key, the member set it may be revealed over (module doc). ``path``: where it is
+    kept (None: in memory). Thread-safe: two rounds of one input never both pass as the first."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = None if path is None else Path(path)
+        self._lock = threading.Lock()
+        self._kept: dict[str, str] = {}      # input key -> member-set digest, oldest first
+        self.lost: str | None = None
+        if self.path is not None:
+            self._load()
+
+    def release(self, key: str) -> "InputRelease":
+        """The release guard of one round carrying ``key`` (``protocols.secagg.client.ReleaseGuard``)."""
+        return InputRelease(self, key)
+
+    def kept(self, key: str) -> str | None:
+        """The member-set digest kept for ``key``, or None."""
+        with self._lock:
+            return self._kept.get(key)
+
+    def _masked_input(self, key: str, participants: frozenset[str]) -> tuple[str | None, bool]:
+        """(why it may not leave or None, whether this round is the input's first)."""
+        with self._lock:
+            if self.lost is not None and self._load() is not None:
+                return LOST_REASON, False
+            digest = member_digest(participants)
+            if key not in self._kept:
+                return self._keep(key, digest), True
+            return (None if self._kept[key] == digest else OTHER_MEMBERS_REASON), False
+
+    def _unmask(self, key: str, survivors: frozenset[str], first: bool) -> str | None:
+        with self._lock:
+            if self.lost is not None and self._load() is not None:
+                return LOST_REASON
+            digest = member_digest(survivors)
+            if first:                        # the set this round revealed it over is now known
+                return self._keep(key, digest)
+            return None if self._kept.get(key) == digest else OTHER_MEMBERS_REASON
+
+    def _keep(self, key: str, digest: str) -> str | None:
+        before = dict(self._kept)
+        self._kept.pop(key, None)
+        self._kept[key] = digest
+        while len(self._kept) > MAX_INPUTS:          # the oldest forgotten (module doc)
+            self._kept.pop(next(iter(self._kept)))
+        if self.path is None:
+            return None
+        try:
+            write_atomic(self.path, json.dumps({"inputs": [[k, v] for k, v in self._kept.items()]},
+                                               separators=(",", ":")).encode(), temp_prefix=TEMP_PREFIX)
+        except OSError as exc:
+            self._kept = before              # not remembered across a restart: not sent
+            log.warning("writing the device's secure inputs %s failed (%s)", self.path, str(exc)[:200])
+            return f"this device could not write down its secure input ({type(exc).__name__}): it is not sent"
+        return None
+
+    def reload(self) -> str | None:
+        """Read the kept file again (a lost one may have been repaired or moved aside since): why it
+        cannot be read, or None."""
+        with self._lock:
+            return None if self.path is None else self._load()
+
+    def _load(self) -> str | None:
+        """Read the kept file (a missing one: nothing kept); ``lost`` and returned: why it cannot be."""
+        try:
+            self._kept = checked_inputs(parse_strict_json(read_small_file(self.path, MAX_FILE_BYTES)))
+        except FileNotFoundError:
+            self._kept = {}
+        except (OSError, ValueError, RecursionError) as exc:
+            why = str(exc)[:200]
+            if why != self.lost:
+                log.warning("the device's secure inputs %s are unreadable (%s): no secure input is sent until the "
+                            "file is repaired or moved aside", self.path, why)
+            self.lost = why
+            return why
+        self.lost = None
+        return None
+
+
+class InputRelease:
+    """One round's release guard for one input (``SecureInputLedger.release``)."""
+
+    def __init__(self, ledger: SecureInputLedger, key: str):
+        self.ledger, self.key = ledger, key
+        self.first = False           # this round sent the input first: its survivors are the set kept
+
+    def masked_input(self, participants: frozenset[str]) -> str | None:
+        reason, self.first = self.ledger._masked_input(self.key, participants)
+        return reason
+
+    def unmask(self, survivors: frozenset[str]) -> str | None:
+        return self.ledger._unmask(self.key, survivors, self.first)
+
+
+def checked_inputs(doc) -> dict[str, str]:
+    """The file's entries: ``{"inputs": [[key, member digest], ...]}``, distinct hex keys, oldest first."""
+    if not isinstance(doc, dict) or set(doc) != {"inputs"} or not isinstance(doc["inputs"], list):
+        raise ValueError('not {"inputs": [...]}')
+    kept: dict[str, str] = {}
+    for entry in doc["inputs"]:
+        if not isinstance(entry, list) or len(entry) != 2 or not all(map(_is_digest, entry)) or entry[0] in kept:
+            raise ValueError("an entry that is not [key, member digest]")
+        kept[entry[0]] = entry[1]
+    if len(kept) > MAX_INPUTS:
+        raise ValueError(f"{len(kept)} entries, at most {MAX_INPUTS}")
+    return kept
+
+
+def _is_digest(value) -> bool:
+    return isinstance(value, str) and len(value) == DIGEST_HEX and all(c in "0123456789abcdef" for c in value)
+
+
+__all__ = ["LOST_REASON", "MAX_INPUTS", "OTHER_MEMBERS_REASON", "SECURE_INPUTS_FILE",
+           "SecureInputLedger", "input_key", "member_digest"]

@@ -1,0 +1,205 @@
+"""Multi-round leakage of secure aggregation, on the device (``edge_client/secure_inputs.py``).
+
+A Fed3R-Sync device without DP sends the same statistics whenever it is asked. An aggregator that
+regroups five such devices into the five groups of four (each leaving one out) gets five sums
+whose total is four times everyone's, so each device's statistics are the total less the sum
+without it: exact, by subtraction. Real devices here: ``SecureFed3R`` handlers, their SecAgg
+clients, and a real ``ServerSecAgg`` as the aggregator, over the wire envelopes."""
+
+import json
+
+import numpy as np
+import pytest
+
+from edge_client.agent import TaskDeclined
+from edge_client.secure_inputs import LOST_REASON, OTHER_MEMBERS_REASON, SECURE_INPUTS_FILE, SecureInputLedger
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
+from edge_client.tasks.secure_fed3r import SecureFed3R
+from edge_client.tasks.secure_update import SecAggSessions
+from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.payloads.secagg import from_envelope, sync_vector_length, to_envelope, unpack_sync_vector
+from protocols.payloads.secure_tasks import SecureFed3RParams
+from protocols.payloads.task_params import ModelSpec
+from protocols.secagg import AggregateReady, Message, RoundConfig, ServerSecAgg, Timeout, UnmaskRequest
+from protocols.secagg.fixedpoint import fed3r_bound
+from protocols.secagg.server import FINAL_STATES
+
+from ops_fleet import Features
+
+D, C, N = 2, 2, 10
+P = D + 1                      # the features and the bias
+DEVICES = ["u", "v", "w", "y", "z"]
+AGGREGATOR = DeviceIdentity.generate("aggregator")
+IDENTITIES = {d: DeviceIdentity.generate(d) for d in DEVICES}
+PARAMS = SecureFed3RParams(model=ModelSpec(num_classes=C, backbone="test", image_size=8), group="g",
+                           max_samples=100, format="dense").to_params()
+
+
+def data(device):
+    rng = np.random.default_rng(DEVICES.index(device))
+    return rng.uniform(0, 3, (N, D)).astype(np.float32), rng.integers(0, C, N)
+
+
+def reference_statistics(device):
+    """numpy's A (upper triangle, row by row), B and n of the device's samples."""
+    x, y = data(device)
+    z = np.hstack([x.astype(np.float64), np.ones((N, 1))])
+    return (z.T @ z)[np.triu_indices(P)], np.eye(C)[y].T @ z, N
+
+
+class Unguarded(SecureInputLedger):
+    """What a device did before the ledger: every input leaves, in any round."""
+
+    def _masked_input(self, key, participants):
+        return None, False
+
+    def _unmask(self, key, survivors, first):
+        return None
+
+
+def fleet(ledger=lambda device: SecureInputLedger()):
+    return {d: SecureFed3R(IDENTITIES[d], AGGREGATOR.public_key_bytes,
+                           Fed3RStatsTask(*data(d), lambda b, s, w: Features(D)),
+                           SecAggSessions(d, inputs=ledger(d))) for d in DEVICES}
+
+
+def secure_round(devices, members, round_id, *, silent=(), withhold_unmask=(), resend_task=(), params=None):
+    """One round of ``members`` run by a real SecAgg server: the sum it unmasks (float64), or None.
+    ``silent``: members that never answer; ``withhold_unmask``: members never sent their
+    UnmaskRequest (the others' shares unmask them); ``resend_task``: members sent their task again
+    once the round is under way; ``params``: the task's, changed."""
+    params = {**PARAMS, **(params or {}), "group": f"g{round_id}"}
+    for device in members:
+        if device not in silent:
+            assert devices[device].on_task(f"job{round_id}", round_id, params, {}) == []
+    config = RoundConfig.create(job_id=f"job{round_id}", round_id=round_id, group_id=params["group"],
+                                aggregator_id="aggregator", members=members,
+                                vector_length=sync_vector_length(P, C), bound=fed3r_bound(100, 3.0))
+    server = ServerSecAgg(config, AGGREGATOR, IdentityRegistry({d: IDENTITIES[d].public_key_bytes for d in members}))
+    outgoing, resent = server.start(), False
+    while server.state not in FINAL_STATES:
+        phase, replies = server.phase, []
+        for message in outgoing:
+            if not isinstance(message, Message) or message.recipient in silent:
+                continue
+            if isinstance(message, UnmaskRequest) and message.recipient in withhold_unmask:
+                continue
+            for env in devices[message.recipient].on_message(to_envelope(message)):
+                replies.extend(server.handle(from_envelope(env)))
+        if not resent:
+            for device in resend_task:
+                assert devices[device].on_task(f"job{round_id}", round_id, params, {}) == []
+            resent = True
+        if server.phase == phase and server.state not in FINAL_STATES:
+            replies.extend(server.handle(Timeout(phase)))
+        outgoing = replies
+    outcome = server.outcome
+    return outcome.decode() if isinstance(outcome, AggregateReady) else None
+
+
+def differencing_attack(devices):
+    """The five groups of four; each device's statistics as total - the sum without it, or None
+    where a group's sum was not revealed."""
+    sums = {}
+    for round_id, left_out in enumerate(DEVICES, start=1):
+        sums[left_out] = secure_round(devices, [d for d in DEVICES if d != left_out], round_id)
+    if any(s is None for s in sums.values()):
+        return sums, None
+    total = sum(sums.values()) / (len(DEVICES) - 1)
+    return sums, {d: total - sums[d] for d in DEVICES}
+
+
+def test_regrouped_sums_give_away_each_devices_statistics_without_the_ledger():
+    """The attack, on devices that send their input to any round: u's exact A, B and n."""
+    _, recovered = differencing_attack(fleet(lambda d: Unguarded()))
+    a_upper, b, n = unpack_sync_vector(recovered["u"], P, C)
+    want_a, want_b, want_n = reference_statistics("u")
+    assert n == want_n
+    np.testing.assert_allclose(a_upper, want_a, atol=1e-6)
+    np.testing.assert_allclose(b, want_b, atol=1e-6)
+
+
+def test_a_device_reveals_its_input_over_one_member_set_only():
+    """With the ledger, the first group's sum is revealed (it is the group sum, nothing more); every
+    later group holds members whose same statistics were already summed with others: refused."""
+    sums, recovered = differencing_attack(fleet())
+    assert recovered is None
+    assert sums["u"] is not None                                  # the first group: v, w, y, z
+    assert [d for d in DEVICES[1:] if sums[d] is not None] == []
+
+
+def test_the_same_members_again_are_answered_across_a_restart(tmp_path):
+    """A re-run over the very same members reveals the same sum (nothing new): answered, by
+    restarted devices too (the ledger is in their state folders); another group is not."""
+    for d in DEVICES:
+        (tmp_path / d).mkdir()
+    kept = lambda d: SecureInputLedger(tmp_path / d / SECURE_INPUTS_FILE)     # noqa: E731
+    group = ["u", "v", "w", "y"]
+    first = secure_round(fleet(kept), group, 1)
+    np.testing.assert_allclose(unpack_sync_vector(first, P, C)[0],
+                               sum(reference_statistics(d)[0] for d in group), atol=1e-6)
+    restarted = fleet(kept)
+    np.testing.assert_array_equal(secure_round(restarted, group, 2), first)
+    assert secure_round(restarted, ["u", "v", "w", "z"], 3) is None
+
+
+def test_a_round_failed_before_the_masked_input_is_retried_in_another_group():
+    """Two of four members silent: the round fails at the key phase, no input left; u's retry in
+    another group is answered (the normal Fed3R-Sync retry)."""
+    devices = fleet()
+    assert secure_round(devices, ["u", "v", "w", "y"], 1, silent={"v", "w"}) is None
+    total = secure_round(devices, ["u", "v", "w", "z"], 2)
+    np.testing.assert_allclose(unpack_sync_vector(total, P, C)[0],
+                               sum(reference_statistics(d)[0] for d in "uvwz"), atol=1e-6)
+
+
+def test_an_input_unmasked_without_the_device_goes_to_those_members_only():
+    """The server withholds u's UnmaskRequest and unmasks the group with the other members' shares
+    of u's self-mask: u never saw the survivors. Its same input then joins no other group (the
+    brief's rule, kept at the unmask answer, would have let it); new samples make another input."""
+    devices = fleet()
+    group = ["u", "v", "w", "y"]
+    revealed = secure_round(devices, group, 1, withhold_unmask={"u"})
+    np.testing.assert_allclose(unpack_sync_vector(revealed, P, C)[0],
+                               sum(reference_statistics(d)[0] for d in group), atol=1e-6)
+    regrouped = fleet()
+    regrouped["u"] = devices["u"]
+    without_u = secure_round(regrouped, ["u", "v", "w", "z"], 2)          # u leaves, the others' sum goes on
+    assert unpack_sync_vector(without_u, P, C)[2] == 3 * N
+    # the task's ignored fields (a sparse format, a larger bound, another job) do not rename the input
+    regrouped = {**fleet(), "u": devices["u"]}
+    without_u = secure_round(regrouped, ["u", "v", "w", "z"], 3, params={"format": "sparse", "max_samples": 101})
+    assert unpack_sync_vector(without_u, P, C)[2] == 3 * N
+    regrouped = {**fleet(), "u": devices["u"]}
+    devices["u"].stats.add_samples(*data("v"))                            # new samples: another input
+    total = secure_round(regrouped, ["u", "v", "w", "z"], 4)
+    assert unpack_sync_vector(total, P, C)[2] == 5 * N
+
+
+def test_a_task_sent_again_mid_round_keeps_the_live_round():
+    """The aggregator's re-sent task for a (job, round, group) under way: a duplicate; the device
+    used to replace its SecAgg client with fresh keys and drop out of the round."""
+    devices = fleet()
+    group = ["u", "v", "w", "y"]
+    total = secure_round(devices, group, 1, resend_task={"u"})
+    assert total is not None
+    assert unpack_sync_vector(total, P, C)[2] == N * len(group)       # u's samples counted
+
+
+def test_the_ledger_is_kept_and_fails_closed(tmp_path):
+    path = tmp_path / SECURE_INPUTS_FILE
+    first = SecureInputLedger(path).release("a" * 32)
+    assert first.masked_input(frozenset("uvwz")) is None
+    assert first.unmask(frozenset("uvw")) is None                    # z dropped: the sum is over u, v, w
+    kept = SecureInputLedger(path)                                   # a restarted device
+    assert kept.release("a" * 32).masked_input(frozenset("uvwz")) == OTHER_MEMBERS_REASON
+    again = kept.release("a" * 32)
+    assert again.masked_input(frozenset("uvw")) is None
+    assert again.unmask(frozenset("uv")) == OTHER_MEMBERS_REASON      # only the set kept, whole
+    path.write_text('{"inputs": [["a", "b"]]}')
+    damaged = SecureInputLedger(path)
+    assert damaged.lost is not None
+    assert damaged.release("c" * 32).masked_input(frozenset("uvw")) == LOST_REASON
+    path.unlink()                                                    # moved aside: a fresh ledger
+    assert damaged.reload() is None
+    assert damaged.release("c" * 32).masked_input(frozenset("uvw")) is None
