@@ -89,6 +89,14 @@ class JavaClient:
             raise (ProtocolViolation if cls == "ProtocolViolation" else SecAggError)(why)
         return replies
 
+    def retask(self):
+        """The bridge's device gets its task again (SecAggSessions.open with a fresh client)."""
+        self.proc.stdin.write("RETASK\n")
+        self.proc.stdin.flush()
+        kind, _, rest = self.proc.stdout.readline().strip().partition(" ")
+        assert kind == "STATE", self.proc.stderr.read()[-3000:]
+        self.state = ClientState[rest]
+
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(10)
@@ -163,6 +171,27 @@ def test_java_client_accuses_a_share_row_it_cannot_decrypt_and_stays_in_the_sum(
     unmask = next(m for m in sent if m.TYPE == "secagg.unmask_shares")
     assert attacker not in unmask.self_mask_owners + unmask.key_owners      # it holds none of the attacker's shares
     assert run.server.culprits == set()                                      # one accuser of five
+    assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
+
+
+def test_java_device_keeps_its_live_round_when_its_task_comes_again(tmp_path):
+    """The aggregator's task re-sent mid-round (a new envelope, same job, round and group): the
+    Java device's live round is kept, and it is in the sum; it used to be replaced by a fresh
+    client, which refused the key directory, and the device dropped out."""
+    config, identities, inputs, java = setup_round(tmp_path, "complete")
+
+    def retask(msg):
+        if isinstance(msg, KeyDirectory) and msg.recipient == JAVA:
+            java.retask()
+        return [msg]
+
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, intercept=retask,
+                        client_factory=lambda d, i: java if d == JAVA else None)
+    finally:
+        java.close()
+    assert java.refusals == [] and java.state is ClientState.FINISHED
     assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
     assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
 

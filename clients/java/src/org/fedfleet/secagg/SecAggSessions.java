@@ -1,6 +1,8 @@
 // A device's open secure-aggregation rounds, keyed by (job, round, group)
 // (edge_client/tasks/secure_update.py): a secure task opens one, every `secagg` envelope from
-// the aggregator is fed to its round, and the replies go back. At most maxSessions are kept.
+// the aggregator is fed to its round, and the replies go back. At most maxSessions are kept. A
+// task re-sent for a (job, round, group) whose round is live is a duplicate: the live round is
+// kept (replacing it with fresh keys mid-round would drop this device out).
 package org.fedfleet.secagg;
 
 import java.util.Arrays;
@@ -21,10 +23,24 @@ public final class SecAggSessions {
 
     public SecAggSessions(String deviceId, int maxSessions) { this.deviceId = deviceId; this.maxSessions = maxSessions; }
 
-    public void open(String job, long round, String group, ClientSecAgg client) {
-        sessions.put(Arrays.<Object>asList(job, round, group), client);
+    /** Opens the round with client; false (nothing changed) where a live round holds the key. */
+    public boolean open(String job, long round, String group, ClientSecAgg client) {
+        List<Object> key = Arrays.<Object>asList(job, round, group);
+        ClientSecAgg live = sessions.get(key);
+        if (live != null && !live.done()) {
+            LOG.info(deviceId + ": task for the live secure round " + key + " again: a duplicate");
+            return false;
+        }
+        sessions.remove(key);
+        sessions.put(key, client);
         Iterator<List<Object>> oldest = sessions.keySet().iterator();
         while (sessions.size() > maxSessions) { oldest.next(); oldest.remove(); }
+        return true;
+    }
+
+    /** The round open for (job, round, group), or null. */
+    public ClientSecAgg session(String job, long round, String group) {
+        return sessions.get(Arrays.<Object>asList(job, round, group));
     }
 
     public int open() { return sessions.size(); }
