@@ -6,12 +6,9 @@ whose total is four times everyone's, so each device's statistics are the total 
 without it: exact, by subtraction. Real devices here: ``SecureFed3R`` handlers, their SecAgg
 clients, and a real ``ServerSecAgg`` as the aggregator, over the wire envelopes."""
 
-import json
 
 import numpy as np
-import pytest
 
-from edge_client.agent import TaskDeclined
 from edge_client.secure_inputs import LOST_REASON, OTHER_MEMBERS_REASON, SECURE_INPUTS_FILE, SecureInputLedger
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
