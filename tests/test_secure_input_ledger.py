@@ -6,7 +6,6 @@ whose total is four times everyone's, so each device's statistics are the total 
 without it: exact, by subtraction. Real devices here: ``SecureFed3R`` handlers, their SecAgg
 clients, and a real ``ServerSecAgg`` as the aggregator, over the wire envelopes."""
 
-
 import numpy as np
 
 from edge_client.secure_inputs import LOST_REASON, OTHER_MEMBERS_REASON, SECURE_INPUTS_FILE, SecureInputLedger
