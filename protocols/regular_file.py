@@ -6,6 +6,11 @@ a writer for ever), a directory, or a file larger than its reader should hold. O
 of at most the caller's bound is read; anything else is one ``ValueError`` naming the path. The
 checks run on the opened file and its bytes are read once, so a file swapped after a check is never
 what is used.
+
+A file a program keeps for itself (the aggregator's payload files and round logs) is opened the
+same way, for reading or writing, and without following a symbolic link planted under its name
+(:func:`open_regular_fd` with ``follow_links=False``): a link there would have it read or write
+whatever file it points at.
 """
 
 from __future__ import annotations
@@ -19,13 +24,39 @@ from pathlib import Path
 OPTION_FILE_BYTES = 16 << 20
 
 
-def open_regular(path: str | Path):
-    """``path`` opened for binary reading if it is a regular file (``OSError`` otherwise, EINVAL for
-    another kind of file), without blocking: opening a FIFO for reading waits for a writer."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+def open_regular_fd(path: str | Path, flags: int = os.O_RDONLY, *, follow_links: bool = True,
+                    mode: int = 0o600) -> int:
+    """A descriptor of ``path`` opened with ``flags`` (``O_CREAT`` makes it with ``mode``) if it is a
+    regular file, without blocking: opening a FIFO waits for its other end (for writing without
+    one: ENXIO). ``OSError`` otherwise: EINVAL for another kind of file (a FIFO, a device, a
+    folder opened for reading; EISDIR for writing), ELOOP for a symbolic link unless
+    ``follow_links`` (a file a program keeps for itself, whose name someone could replace by a link
+    to anything it may write or read)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW), mode)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def not_regular(exc: OSError) -> str | None:
+    """What an :func:`open_regular_fd` refusal says of the name, or None for another error (no such
+    name, no permission, a full disk): words to follow the path in a message."""
+    if exc.errno == errno.ELOOP:
+        return "is not a regular file (a symbolic link)"
+    if exc.errno in (errno.EINVAL, errno.EISDIR, errno.ENXIO):      # another kind; a folder or FIFO opened to write
+        return "is not a regular file"
+    return None
+
+
+def open_regular(path: str | Path, *, follow_links: bool = True):
+    """``path`` opened for binary reading if it is a regular file (``OSError`` otherwise: see
+    :func:`open_regular_fd`), without blocking: opening a FIFO for reading waits for a writer."""
+    fd = open_regular_fd(path, follow_links=follow_links)
+    try:
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import pickle
+import stat
 import subprocess
 import sys
 import threading
 
+import pytest
+
 from aggregator.api.app import create_app
 from aggregator.api.server import ApiServer
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
-from aggregator.storage.round_log import read_from
+from aggregator.storage.round_log import FILE_NAME, RoundLog, read_from
 from aggregator.service.loop import AggregatorService
 from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
@@ -44,6 +48,55 @@ def test_read_from_pages_whole_lines_and_survives_a_torn_line(tmp_path):
     lines, _ = read_from(path, offset)
     assert lines == [{"event": "half"}, {"event": "unreadable"}]
     assert read_from(tmp_path / "missing.jsonl", 7) == ([], 7)
+
+
+def done_within(make, seconds: float = 10):
+    """``make()``'s result, made in a thread; None if it still waits after ``seconds`` (opening a
+    FIFO waits for its other end: the job's start hung)."""
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(make()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return outcome[0] if outcome else None
+
+
+def test_the_round_log_never_writes_through_a_link_nor_waits_on_a_fifo_under_its_name(tmp_path, caplog):
+    """A review's findings: ``open(path, "a")`` followed a symbolic link planted as ``rounds.jsonl``
+    (the aggregator appended to any file it could write) and waited for ever on a FIFO there (the
+    job's start hung). Neither is written; the job goes on without its log, which says why."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("an operator's file\n")
+    linked, piped, plain = (tmp_path / name for name in ("linked", "piped", "plain"))
+    for out in (linked, piped, plain):
+        out.mkdir()
+    (linked / FILE_NAME).symlink_to(precious)
+    os.mkfifo(piped / FILE_NAME)
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        for out in (linked, piped, plain):
+            events = done_within(lambda: RoundLog(out / FILE_NAME, "j"))
+            if events is None:              # waiting on the FIFO: give it a reader, then fail
+                os.close(os.open(out / FILE_NAME, os.O_RDONLY | os.O_NONBLOCK))
+                pytest.fail(f"{out.name}: opening the round log blocked")
+            events.write("round_opened", 1)
+            events.close()
+    assert precious.read_text() == "an operator's file\n"
+    assert stat.S_ISFIFO(os.lstat(piped / FILE_NAME).st_mode) and (linked / FILE_NAME).is_symlink()
+    assert [json.loads(line)["event"] for line in (plain / FILE_NAME).read_text().splitlines()] == ["round_opened"]
+    refused = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert len(refused) == 2 and "symbolic link" in refused[0] and "not a regular file" in refused[1], refused
+
+
+def test_the_log_route_serves_only_the_regular_file_the_aggregator_wrote(tmp_path):
+    """A review's finding: ``read_from`` checked ``is_file()``, which follows a link, so a
+    ``rounds.jsonl`` link made ``GET /api/jobs/{id}/log`` serve whatever file it pointed at."""
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(json.dumps({"event": "secret", "key": "s3cr3t"}) + "\n")
+    link = tmp_path / FILE_NAME
+    link.symlink_to(secret)
+    assert read_from(link, 0) == ([], 0)
+    link.unlink()
+    os.mkfifo(link)
+    assert done_within(lambda: read_from(link, 0)) == ([], 0)
 
 
 def test_a_recent_log_keeps_the_latest_entries_and_counts_the_rest():
