@@ -141,6 +141,89 @@ def test_a_kill_between_the_payload_file_and_its_commit_leaves_an_orphan_that_op
                                                                        ("dev02", b"retry")]
 
 
+def done_within(make, seconds: float = 10):
+    """``make()``'s result (or what it raised), made in a thread; None if it still waits after
+    ``seconds`` (opening a FIFO waits for its other end)."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(make())
+        except BaseException as exc:         # what it met, whatever it was
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return outcome[0] if outcome else None
+
+
+def test_a_foreign_entry_under_the_next_payload_name_is_passed_over_never_written_through(tmp_path, caplog):
+    """A review's finding: a folder holding files under the next seq's name (the sweep leaves such
+    a folder alone) made every insert fail with IsADirectoryError, and SQLite gave that seq out
+    again after each rollback (the job was rebuilt at every result). The row takes the next number
+    instead (seqs name and order rows, nothing more), the entry's path said; a link or a FIFO put
+    there while the store runs is passed over the same way, never written through nor waited on.
+    A kill between such a payload's file and its commit resumes as any other."""
+    state, blobs = tmp_path / "state.db", tmp_path / "state.db.blobs"
+    blobs.mkdir()
+    folder = blobs / f"{2:012d}.msg"                  # where the writer's second payload goes
+    folder.mkdir()
+    (folder / "notes.txt").write_text("someone's")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FEDFLEET_CRASH_AT": "contribution_file_written:2"}
+    proc = subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(state)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    assert f"{folder} is not a regular file" in proc.stderr
+    assert payload_files(blobs) == {f"{1:012d}.msg": b"first" * 1000, f"{3:012d}.msg": b"second" * 1000,
+                                    f"{2:012d}.msg/notes.txt": b"someone's"}
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        store = Store(state)
+        assert store.add_contribution("j", 1, "dev02", "m2-retry", b"retry") == 3
+        precious = tmp_path / "precious.txt"
+        precious.write_text("an operator's file")
+        store.blobs.path(4).unlink()
+        store.blobs.path(4).symlink_to(precious)
+        store.blobs.path(5).unlink()
+        os.mkfifo(store.blobs.path(5))
+        added = done_within(lambda: store.add_contribution("j", 1, "dev03", "m3", b"three"))
+        if added is None:                   # waiting on the FIFO: give it a reader, then fail
+            os.close(os.open(store.blobs.path(5), os.O_RDONLY | os.O_NONBLOCK))
+            pytest.fail("writing a payload waited on a FIFO under its name")
+    assert added == 6, added
+    assert precious.read_text() == "an operator's file" and (folder / "notes.txt").read_text() == "someone's"
+    passed_over = [r.getMessage() for r in caplog.records if "stored under the next number" in r.getMessage()]
+    assert [str(store.blobs.path(s)) in m for m, s in zip(passed_over, (2, 4, 5))] == [True] * 3, passed_over
+    expected = [("dev01", b"first" * 1000), ("dev02", b"retry"), ("dev03", b"three")]
+    assert [(c.device, c.payload) for c in store.contributions("j")] == expected
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        reopened = Store(state)
+    assert [(c.seq, c.device, c.payload) for c in reopened.contributions("j")] == \
+        [(1, *expected[0]), (3, *expected[1]), (6, *expected[2])]
+    assert "no payload file" not in caplog.text and (folder / "notes.txt").exists()
+    assert reopened.add_contribution("j", 1, "dev04", "m4", b"four") == 7          # no number given twice
+
+
+def test_a_name_a_committed_delete_cannot_remove_is_logged_and_the_delete_stands(tmp_path, caplog):
+    """A review's finding: a folder under a deleted row's name raised IsADirectoryError after the
+    delete committed, so ``device forget`` reported a failure although the forget had committed.
+    Removing the files is cleanup: a name that cannot go is logged, the others still go."""
+    store = new_store(tmp_path / "state.db")
+    store.open_round("j", 2, [], {}, {}, time.time() + 60)
+    first = store.add_contribution("j", 1, "dev02", "m1", b"one")
+    second = store.add_contribution("j", 2, "dev02", "m2", b"two")
+    kept = store.add_contribution("j", 2, "dev03", "m3", b"three")
+    store.blobs.path(first).unlink()
+    store.blobs.path(first).mkdir()
+    (store.blobs.path(first) / "notes.txt").write_text("someone's")
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        assert store.forget_device("j", "dev02") == 2
+    assert f"{store.blobs.path(first)} of a deleted contribution not removed" in caplog.text
+    assert not store.blobs.path(second).exists() and store.blobs.path(kept).read_bytes() == b"three"
+    assert store.forgotten("j") == ["dev02"] and [c.device for c in store.contributions("j")] == ["dev03"]
+
+
 def test_opening_waits_for_a_writer_between_its_file_and_its_commit(tmp_path):
     """The orphan sweep of a second opener runs under the write lock, never between another writer's
     file and its commit (which would leave a committed row without its file)."""

@@ -25,21 +25,30 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import re
-import stat
 import threading
 from pathlib import Path
 from typing import Iterable
 
-_WRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+from protocols.regular_file import not_regular, open_regular_fd
+
+log = logging.getLogger("fedfleet.aggregator")
+
+# never through a link, never waiting on a FIFO (without a reader: ENXIO) under a payload's name
+_WRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _ALIGN = 4096                   # O_DIRECT offsets and lengths: a multiple of the device's block size
 
 
 class BlobFileError(OSError):
     """A row's payload file is missing or does not hold the number of bytes its row records."""
+
+
+class BlobNameTaken(BlobFileError):
+    """A new payload's name holds what no store made there (a folder holding files, which the sweep
+    leaves alone; a link or a FIFO put there since the store opened): nothing was written."""
 
 
 class BlobFiles:
@@ -67,13 +76,19 @@ class BlobFiles:
     def write(self, seq: int, data: bytes) -> None:
         """Write ``data`` as the payload of row ``seq``, into its name made durable beforehand. The name
         may hold bytes of no row (a seq whose insert never committed is given again): they are replaced.
-        A failed write leaves the file empty."""
+        A failed write leaves the file empty. :class:`BlobNameTaken` where the name is no regular
+        file (never written through, never waited on)."""
         path = self.path(seq)
         try:
-            fd = os.open(path, _WRITE | os.O_TRUNC)
-        except FileNotFoundError:
-            self._create_names(seq)
-            fd = os.open(path, _WRITE | os.O_TRUNC)
+            try:
+                fd = open_regular_fd(path, _WRITE | os.O_TRUNC, follow_links=False)
+            except FileNotFoundError:
+                self._create_names(seq)
+                fd = open_regular_fd(path, _WRITE | os.O_TRUNC, follow_links=False)
+        except OSError as exc:
+            if (why := not_regular(exc)) is None:
+                raise
+            raise BlobNameTaken(f"payload name {path} {why}: no file of this store's (remove it)") from None
         try:
             if not (self.direct and len(data) >= self.DIRECT_FROM and self._write_direct(fd, data)):
                 view = memoryview(data)
@@ -138,17 +153,14 @@ class BlobFiles:
         memory ran out), and its size checked before a byte is read."""
         path = self.path(seq)
         try:
-            fd = os.open(path, _READ)
+            fd = open_regular_fd(path, follow_links=False)
         except FileNotFoundError as exc:
             raise BlobFileError(f"payload file {path} is missing") from exc
         except OSError as exc:
-            why = "is not a regular file (a symbolic link)" if exc.errno == errno.ELOOP else \
-                f"cannot be opened ({exc.strerror})"
-            raise BlobFileError(f"payload file {path} {why}") from None
+            raise BlobFileError(f"payload file {path} {not_regular(exc) or f'cannot be opened ({exc.strerror})'}") \
+                from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BlobFileError(f"payload file {path} is not a regular file")
             if st.st_size != nbytes:
                 raise BlobFileError(f"payload file {path} holds {st.st_size} bytes, its row records {nbytes}")
             chunks, got = [], 0
@@ -163,8 +175,15 @@ class BlobFiles:
         return data
 
     def remove(self, seqs: Iterable[int]) -> None:
+        """Delete the files of rows whose delete has committed: cleanup, never a failure of that
+        committed operation (a folder under such a name raised after a ``device forget`` committed,
+        which then reported failure). A name that cannot go is logged; the others still go."""
         for seq in seqs:
-            self.path(seq).unlink(missing_ok=True)
+            path = self.path(seq)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("payload file %s of a deleted contribution not removed: %s", path, exc.strerror or exc)
 
     def sweep(self, live: set[int], high: int) -> tuple[int, list[int]]:
         """Remove the bytes of no row in ``live`` (a crash between a file and its row's commit, or between

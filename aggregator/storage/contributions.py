@@ -10,13 +10,16 @@ same order. Taking contributions out of the replay is :mod:`aggregator.storage.e
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from aggregator.storage.blob_files import BlobFileError
+from aggregator.storage.blob_files import BlobFileError, BlobNameTaken
 from aggregator.storage.connection import StoreConnection, StoreError
+
+log = logging.getLogger("fedfleet.aggregator")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,12 @@ class StoredContribution:
     message_id: str
     payload: bytes
     received_at: float
+
+
+def _insert(db: sqlite3.Connection, row: tuple) -> int:
+    """The seq of a new contributions row (job_id, round, device, message_id, payload_bytes, received_at)."""
+    return db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, received_at) "
+                      "VALUES (?, ?, ?, ?, ?, ?)", row).lastrowid
 
 
 class ContributionRepository(StoreConnection):
@@ -46,10 +55,8 @@ class ContributionRepository(StoreConnection):
         try:
             with self._tx() as db:
                 for job_id, round_, device, message_id, payload in results:
-                    seq = db.execute("INSERT INTO contributions (job_id, round, device, message_id, payload_bytes, "
-                                     "received_at) VALUES (?, ?, ?, ?, ?, ?)",
-                                     (job_id, round_, device, message_id, len(payload), now)).lastrowid
-                    self.blobs.write(seq, payload)
+                    row = (job_id, round_, device, message_id, len(payload), now)
+                    seq = self._write_payload(db, _insert(db, row), row, payload)
                     self._crash("contribution_file_written")
                     db.execute("UPDATE devices SET last_seen=? WHERE device_id=?", (now, device))
                     seqs.append(seq)
@@ -57,6 +64,23 @@ class ContributionRepository(StoreConnection):
         except sqlite3.IntegrityError as exc:
             job_id, round_, device, message_id, _ = results[len(seqs)]
             raise StoreError(f"contribution {message_id} from {device} (round {round_}) is already stored") from exc
+
+    def _write_payload(self, db: sqlite3.Connection, seq: int, row: tuple, payload: bytes) -> int:
+        """Write ``payload`` as row ``seq``'s file and return the row's seq. A name holding what no
+        store made (a folder of files, which the sweep leaves alone; a link, a FIFO) is passed over:
+        the row is inserted again under the next seq SQLite gives. Failing there instead failed every
+        insert, SQLite giving the same seq again after each rollback (the job rebuilt at every
+        result). Seqs only name rows and order them, so the bytes a restart replays, and their
+        order, are the same; once this commits the passed-over seq is below the AUTOINCREMENT mark
+        and never given again."""
+        while True:
+            try:
+                self.blobs.write(seq, payload)
+                return seq
+            except BlobNameTaken as exc:
+                log.warning("store %s: %s; the contribution is stored under the next number", self.path, exc)
+                db.execute("DELETE FROM contributions WHERE seq=?", (seq,))
+                seq = _insert(db, row)
 
     def holds_message(self, job_id: str, message_id: str) -> bool:
         """Whether the job stored a contribution under ``message_id`` (unique within a job)."""
