@@ -21,6 +21,7 @@ from aggregator.api.server import add_ops_arguments, checked_sealing_key, dashbo
 from aggregator.compute.fork_server import start_fork_server_here
 from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
+from aggregator.service.crash_points import CrashPoints
 from aggregator.service.settings import ServiceSettings
 from aggregator.shards.buckets import check_shard_count
 from aggregator.jobs.registry import KINDS, build_job, checked_config
@@ -104,6 +105,7 @@ def forks_workers(args, settings: ServiceSettings) -> bool:
 
 
 def serve(args) -> int:
+    CrashPoints.from_env()          # a bad FEDFLEET_CRASH_AT (crash tests) is one line before anything starts
     if args.config is None and args.state is None:
         raise ValueError("serve needs --config, or --state to resume the job that state file holds "
                          "(with --keep-serving: and then run jobs started through the API)")

@@ -2,7 +2,9 @@
 
 ``FEDFLEET_CRASH_AT=point[:n]`` makes the aggregator kill itself the n-th time it passes
 ``point`` (one of :data:`CRASH_POINTS`), so a test can check that a restart resumes to the same
-result from every place where a commit and the thing depending on it could be torn apart.
+result from every place where a commit and the thing depending on it could be torn apart. n counts
+passes from 1 (the default); any other value (0, which named no pass and so never fired, a word, an
+unknown point) is a ValueError naming the variable, which ``aggregator serve`` says at its start.
 ``tests/test_crash_recovery.py`` also kills the process at random times, not only here.
 """
 
@@ -27,9 +29,13 @@ class CrashPoints:
     def __init__(self, spec: str | None = None):
         self.point, self.nth, self.passed = None, 1, Counter()
         if spec:
-            name, _, nth = spec.partition(":")
+            name, colon, nth = spec.partition(":")
             if name not in CRASH_POINTS:
-                raise ValueError(f"unknown crash point {name!r} (known: {', '.join(CRASH_POINTS)})")
+                raise ValueError(f"{CRASH_ENV}={spec[:100]}: unknown crash point {name[:100]!r} "
+                                 f"(known: {', '.join(CRASH_POINTS)})")
+            if colon and not (nth.isascii() and nth.isdigit() and int(nth) >= 1):
+                raise ValueError(f"{CRASH_ENV}={spec[:100]}: n counts passes from 1 (point:n kills at the "
+                                 f"n-th pass), not {nth[:100]!r}")
             self.point, self.nth = name, int(nth or 1)
 
     @classmethod
