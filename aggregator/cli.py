@@ -17,7 +17,8 @@ from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.ray_cluster import check_reachable as check_ray_reachable
 
-from aggregator.api.server import add_ops_arguments, checked_sealing_key, dashboard_origins, read_identity, serve_with_ops
+from aggregator.api.server import (add_ops_arguments, checked_sealing_key, checked_state_folder, dashboard_origins,
+                                   read_identity, serve_with_ops)
 from aggregator.compute.fork_server import start_fork_server_here
 from aggregator.compute.mask_expansion import cpu_mask_expansion_plan
 from aggregator.service.artifacts import ArtifactShelf, with_served_bundle
@@ -116,6 +117,7 @@ def serve(args) -> int:
     broker = BrokerConfig.from_url(args.broker, tls_ca=args.tls_ca)      # a bad address fails before any file
     settings = service_settings(args)                                     # so do bad service options
     dashboard_origins(args)                                               # and a bad --public-origin
+    checked_state_folder(args)                                            # and a --state in no folder
     checked_sealing_key(args)                                             # and a bad key folder
     config = load_json_file(args.config, "--config") if args.config else None
     if config is not None:

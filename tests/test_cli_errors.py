@@ -76,6 +76,12 @@ CASES = [
     ("serve: the store's key folder is a file", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                                  "--state", "{d}/state.db", "--broker", "mqtt://127.0.0.1:1"],
      "is not a folder"),
+    # a review's finding: the store made every missing folder of --state, so a mistyped path
+    # (/srv/fleett/state.db) made /srv/fleett and started an empty store in it
+    ("serve: --state in a folder that does not exist", ["aggregator", "serve", "--out", "{d}/o", "--config",
+                                                        "{d}/job.json", "--state", "{d}/never/state.db",
+                                                        "--broker", "mqtt://127.0.0.1:1"],
+     "/never does not exist: create it first"),
     ("serve: missing eval features", ["aggregator", "serve", "--out", "{d}/o", "--config", "{d}/job.json",
                                       "--eval-features", "{d}/nope.npz"], "--eval-features"),
     # a review's finding: an .npz header declaring 745 GiB was allocated (a MemoryError traceback)

@@ -74,8 +74,8 @@ class ApiServer:
 def add_ops_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("operations")
     g.add_argument("--state", type=Path, default=None,
-                   help="SQLite state file (contribution payloads in FILE.blobs/ beside it; back up both): "
-                        "durable jobs, rounds and contributions; restarting resumes the job")
+                   help="SQLite state file, in a folder that exists (contribution payloads in FILE.blobs/ beside "
+                        "it; back up both): durable jobs, rounds and contributions; restarting resumes the job")
     g.add_argument("--durability", choices=["full", "normal"], default="full",
                    help="full: every commit is on disk before the ack (default); normal: faster, may lose the "
                         "last commits on power loss (never on a process crash)")
@@ -158,6 +158,17 @@ def checked_sealing_key(args) -> None:
 
     if args.state:
         SealingKey.of_store(args.state, args.key_dir or args.security_dir).check()
+
+
+def checked_state_folder(args) -> None:
+    """``--state``'s folder must be there: ``serve`` makes the state file, never the folder it names.
+    The store makes every missing folder (a shard's store on a Ray node needs its folder made
+    there), so a mistyped path (/srv/fleett/state.db) made /srv/fleett and an empty store in it, and
+    the next restart with the right path found no job. One ValueError at start, before the broker."""
+    if args.state is not None and not (folder := args.state.parent).is_dir():
+        raise ValueError(f"--state {args.state}: the folder {folder} "
+                         f"{'is not a folder' if folder.exists() else 'does not exist: create it first'} "
+                         f"(the aggregator makes its state file there, never the folder)")
 
 
 @contextlib.contextmanager
