@@ -226,3 +226,53 @@ def test_session_stepper_gives_a_rule_the_gradient_at_whatever_point_it_asks_for
     stepper.step(np.zeros((1, 1), np.float32), np.zeros(1, np.int64))
     np.testing.assert_array_equal(seen[0]["w"], [-1.0, -1.0])                 # computed at w = 0, not at 5
     np.testing.assert_array_equal(stepper.parameters()["w"], [0.5, 0.5])       # stepped from w = 0
+
+
+def test_session_stepper_asam_prox_and_correction_on_a_trained_subset_equal_the_float64_reference():
+    """The tail trainer's step (FT(φ), Scaffold on the tail) against the papers' formulas in float64:
+    ε̂ = ρ T² g/‖T g‖, T = |w| + η over the *trained* tensors only (ASAM, Kwon et al. 2021), d = ∇L(w + ε̂)
+    + μ(w − w_global) (FedProx) + (c − c_k) (Scaffold's correction), w ← w − lr (d + wd·w); the frozen
+    tensor is neither perturbed, nor counted in ‖T g‖, nor moved. The twin-runtime tests above share
+    the rule's code; this one is written from the formulas. The stand-in runtime's loss couples the
+    two tensors, L = Σ softplus(t ⊙ h), so a perturbed or moved frozen h would change t's gradient."""
+
+    def grads64(t, h):
+        s = 1.0 / (1.0 + np.exp(-(t * h)))               # σ(t h): d softplus(t h)/d(t h)
+        return h * s, t * s
+
+    class Softplus:
+        runtime = "stand-in"
+
+        def set_parameters(self, params):
+            self.p = {k: np.array(v, np.float32) for k, v in params.items()}
+
+        def get_parameters(self):
+            return {k: v.copy() for k, v in self.p.items()}
+
+        def loss_and_gradients(self, features, labels):
+            gt, gh = grads64(self.p["tail"].astype(np.float64), self.p["head"].astype(np.float64))
+            return 0.0, {"tail": gt.astype(np.float32), "head": gh.astype(np.float32)}
+
+        def sgd_step(self, directions, lr):
+            for k, d in directions.items():
+                self.p[k] = self.p[k] - np.float32(lr) * d
+
+    rng = np.random.default_rng(11)
+    start = {"tail": rng.normal(size=6).astype(np.float32), "head": rng.normal(size=6).astype(np.float32)}
+    correction = {"tail": (0.3 * rng.normal(size=6)).astype(np.float32)}           # c − c_k
+    rho, eta, mu, lr, wd = 0.4, 0.2, 0.5, 0.3, 0.05
+    recipe = LocalTraining(lr=lr, weight_decay=wd, rule=LocalRuleRecipe("asam", sam_rho=rho, asam_eta=eta,
+                                                                        prox_mu=mu))
+    stepper = SessionStepper(Softplus(), start, recipe, trained=frozenset({"tail"}), correction=correction)
+    w0, h = start["tail"].astype(np.float64), start["head"].astype(np.float64)
+    w = w0.copy()
+    for _ in range(3):                   # the pull μ(w − w0) is zero on the first step only
+        stepper.step(np.zeros((1, 1), np.float32), np.zeros(1, np.int64))
+        g, _ = grads64(w, h)
+        scale = np.abs(w) + eta
+        eps = rho * scale * scale * g / np.linalg.norm(scale * g)
+        d = grads64(w + eps, h)[0] + mu * (w - w0) + correction["tail"]
+        w = w - lr * (d + wd * w)
+        got = stepper.parameters()
+        np.testing.assert_allclose(got["tail"], w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got["head"], start["head"])

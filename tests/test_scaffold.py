@@ -11,6 +11,7 @@ from edge_client.state import DeviceStateStore
 from edge_client.tasks.head_training import LocalTraining
 from edge_client.tasks.numpy_head import NumpyHeadStepper, batch_schedule
 from edge_client.tasks.scaffold_training import ScaffoldTrainingTask, scaffold_pass
+from protocols.payloads.fedavg import LocalRuleRecipe
 from protocols.payloads.scaffold import KIND
 
 from stateful_jobs import ce_grads, minibatches, pixel_extractor, run_round
@@ -46,6 +47,33 @@ def test_device_pass_matches_numpy_reference(recipe):
     for k in ("weight", "bias"):
         np.testing.assert_allclose(out[k], ref[k], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(new_ck[k], ref_ck[k], rtol=1e-3, atol=1e-3)
+
+
+def test_device_pass_with_asam_and_prox_matches_the_formulas():
+    """Scaffold composed with the job's local rule (FedASAM + FedProx), float64 from the papers:
+    y ← y − lr (∇f(y + ε̂) + μ(y − w) + wd·y − c_k + c), ε̂ = ρ T² g/‖T g‖, T = |y| + η over weight
+    and bias together; option II's c_k⁺ from the K corrected steps as without a rule."""
+    r = LocalTraining(epochs=2, batch_size=12, lr=0.05, weight_decay=0.01, seed=4,
+                      rule=LocalRuleRecipe("asam", sam_rho=0.5, asam_eta=0.2, prox_mu=0.3))
+    rng = np.random.default_rng(r.seed)
+    Z, y = rng.normal(size=(41, D)).astype(np.float32), rng.integers(0, C, 41)
+    w, c, ck = rand_head(rng, 0.5), rand_head(rng, 0.5), rand_head(rng, 0.5)
+    out, new_ck = scaffold_pass(w["weight"], w["bias"], c, ck, Z, y, r)
+    Z64, x0 = Z.astype(np.float64), {k: v.astype(np.float64) for k, v in w.items()}
+    x, K = dict(x0), 0
+    for rows in minibatches(len(y), r.batch_size, r.epochs, r.seed):
+        g = ce_grads(x, Z64, y, rows, r.temperature)
+        t = {k: np.abs(x[k]) + 0.2 for k in x}
+        norm = np.sqrt(sum(np.sum((t[k] * g[k]) ** 2) for k in x))
+        g = ce_grads({k: x[k] + 0.5 * t[k] ** 2 * g[k] / norm for k in x}, Z64, y, rows, r.temperature)
+        x = {k: x[k] - r.lr * (g[k] + 0.3 * (x[k] - x0[k]) + r.weight_decay * x[k] - ck[k] + c[k]) for k in x}
+        K += 1
+    for k in ("weight", "bias"):
+        np.testing.assert_allclose(out[k], x[k], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(new_ck[k], ck[k] - c[k] + (x0[k] - x[k]) / (K * r.lr), rtol=1e-3, atol=1e-3)
+    plain, _ = scaffold_pass(w["weight"], w["bias"], c, ck, Z, y, LocalTraining(epochs=2, batch_size=12, lr=0.05,
+                                                                                   weight_decay=0.01, seed=4))
+    assert np.abs(plain["weight"] - out["weight"]).max() > 1e-3          # the rule changed the pass
 
 
 def test_with_zero_controls_it_is_the_fedavg_step():
