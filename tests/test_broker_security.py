@@ -7,6 +7,7 @@ checked.
 """
 
 import os
+import shutil
 import socket
 import ssl
 import threading
@@ -471,3 +472,38 @@ def test_an_enrolment_whose_sighup_the_broker_lost_takes_effect_on_the_trailing_
         time.sleep(0.05)
     time.sleep(0.5)
     assert connack_of(port, sec.ca_cert, user="dev07", password=creds.mqtt_password) == "Success"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the broker drops to another user only when started as root")
+def test_the_broker_user_cannot_replace_the_files_root_reads_and_mosquitto_still_runs_and_reloads(tmp_path):
+    """A review's finding: ``initialise`` handed the security folder itself to the broker's user, so
+    the account mosquitto drops to (to contain a compromised broker) could rename files over
+    mosquitto.conf (read as root at the broker's next start), ca.crt (handed to every device
+    enrolled later) and the store's sealing key kept there. Now the folder stays root's, not
+    writable by that user; mosquitto, started as root with the generated config, still writes its
+    pid (it does so after dropping privileges) and takes an enrolment on SIGHUP."""
+    import pwd
+    import stat
+    import tempfile
+
+    broker_uid = pwd.getpwnam("nobody").pw_uid
+    reachable = Path(tempfile.mkdtemp(prefix="fedfleet-broker-user-"))      # pytest's tmp_path is root's 0700
+    os.chmod(reachable, 0o755)
+    sec = BrokerSecurity(reachable / "security", broker_user="nobody")
+    sec.initialise()
+    folder = sec.directory.stat()
+    assert folder.st_uid == 0 and not folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH), oct(folder.st_mode)
+    assert os.stat(sec.passwd_file).st_uid == broker_uid                 # what mosquitto reads, still its
+    port = free_port()
+    broker = MosquittoBroker(port=port, listener_config=sec.listener_config(port), workdir=tmp_path).start()
+    try:
+        deadline = time.time() + 5
+        while not (sec.pid_file.exists() and sec.pid_file.read_text().strip()) and time.time() < deadline:
+            time.sleep(0.02)
+        assert sec.pid_file.read_text().strip() == str(broker.proc.pid), (tmp_path / "mosquitto.log").read_text()
+        sec.apply({"cam1": hash_password("cam1-pw")})
+        time.sleep(0.5)
+        assert connack_of(port, sec.ca_cert, user="cam1", password="cam1-pw") == "Success"
+    finally:
+        broker.stop()
+        shutil.rmtree(reachable)

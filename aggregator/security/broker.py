@@ -45,6 +45,7 @@ import os
 import pwd
 import secrets
 import signal
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from protocols.files import write_atomic
+from protocols.regular_file import open_regular_fd
 from protocols.topics import (AGGREGATOR_ID, CONTROLLER_ROLE, DEPLOY_ROLE, FETCH_ROLE, Topics, check_device_id,
                               role_account)
 
@@ -214,7 +216,7 @@ class BrokerSecurity:
         self._remove_interrupted_writes()
         owner = self._owner
         if owner is not None:
-            os.chown(self.directory, owner, -1)
+            self._hand_over_pid_file_only(owner)
         if not self.ca_cert.exists():
             ca_key, ca_cert = make_ca()
             write_atomic(self.directory / "ca.key", _private_key_pem(ca_key))
@@ -238,6 +240,23 @@ class BrokerSecurity:
             write_atomic(self.secret_file, new_password().encode())
         if not self.passwd_file.exists():
             self.write_access_files({})
+
+    def _hand_over_pid_file_only(self, owner: int) -> None:
+        """The folder stays this (root) process's: whoever may write a folder may rename files over
+        any in it, and the broker's user could then replace mosquitto.conf (read as root at the
+        broker's next start), ca.crt (handed to every device enrolled later) and the store's sealing
+        key kept here. mosquitto 2.0 writes its pid file after dropping to that user, so that one
+        file is made here and handed to it (a folder an earlier version handed over is taken back)."""
+        if self.directory.stat().st_uid == owner:
+            os.chown(self.directory, os.getuid(), -1)
+        os.chmod(self.directory, stat.S_IMODE(self.directory.stat().st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+        if self.pid_file.is_symlink():          # planted while the folder was the broker user's
+            self.pid_file.unlink()
+        fd = open_regular_fd(self.pid_file, os.O_WRONLY | os.O_CREAT, follow_links=False, mode=0o644)
+        try:
+            os.fchown(fd, owner, -1)
+        finally:
+            os.close(fd)
 
     MANAGED = ("ca.key", "ca.crt", "server.key", "server.crt", "passwd", "acl", "mosquitto.conf", "aggregator.secret")
 
