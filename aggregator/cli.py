@@ -40,7 +40,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     s.add_argument("--kind", default="fed3r", choices=sorted(KINDS), metavar="KIND",
                    help="job kind; " + "; ".join(f"{k.name}: {k.summary}" for k in KINDS.values()))
     s.add_argument("--broker", default="mqtt://127.0.0.1:1883",
-                   help="mqtt://[user:pass@]host:port[?version=3.1.1|5] (mqtts:// with --tls-ca)")
+                   help="mqtt://[user:pass@]host:port[?version=3.1.1|5] (mqtts://: TLS, verified with --tls-ca, "
+                        "else the system's trusted CAs)")
     s.add_argument("--tls-ca", default=None, help="CA file: connect with TLS")
     s.add_argument("--topic-root", default="fedfleet", help="first level of every fedfleet topic")
     s.add_argument("--out", type=Path, required=True, help="directory for results.json and model.npz")

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the device's key, the broker's CA and the aggregator's key, so no flag needs them")
     p.add_argument("--broker", default="mqtt://127.0.0.1:1883",
                    help="mqtt://[user:pass@]host:port[?version=3.1.1|5] (the MQTT account from enrolment)")
-    p.add_argument("--tls-ca", default=None, help="CA file of the broker's TLS listener (mqtts://)")
+    p.add_argument("--tls-ca", default=None,
+                   help="CA file of the broker's TLS listener (mqtts://; default: the system's trusted CAs)")
     p.add_argument("--topic-root", default="fedfleet", help="first level of every fedfleet topic")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--image-folder", type=Path, help="root/<class>/*.png layout with any subset of --classes")

@@ -60,11 +60,15 @@ class BrokerConfig:
     tls_key: str | None = None
     protocol: str = "5"                # "5" or "3.1.1"
     keepalive: int = 30
+    # TLS without a CA file of its own (an mqtts:// address, no tls_ca): verified against the
+    # system's trusted CAs, as the Java client's ssl:// is. It was a plain connection before, its
+    # CONNECT carrying the password in the clear (a review's finding).
+    tls: bool = False
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "BrokerConfig":
-        """``mqtt://[user:pass@]host[:port][?version=3.1.1|5]`` or ``mqtts://...`` (TLS needs tls_ca
-        in kw). The MQTT protocol version is part of the address (default 5), so every command that
+        """``mqtt://[user:pass@]host[:port][?version=3.1.1|5]`` or ``mqtts://...`` (TLS, verified
+        against ``tls_ca`` in kw, else the system's trusted CAs). The MQTT protocol version is part of the address (default 5), so every command that
         takes a broker speaks to a 3.1.1-only broker the same way. Raises ValueError, naming the part."""
         from urllib.parse import parse_qs, unquote, urlparse
 
@@ -87,7 +91,8 @@ class BrokerConfig:
             check_ca_file(kw["tls_ca"])
         return cls(host=u.hostname or "127.0.0.1", port=port or (8883 if u.scheme == "mqtts" else 1883),
                    username=unquote(u.username) if u.username else None,
-                   password=unquote(u.password) if u.password else None, protocol=version, **kw)
+                   password=unquote(u.password) if u.password else None, protocol=version,
+                   tls=u.scheme == "mqtts", **kw)
 
     def for_role(self, role: str) -> "BrokerConfig":
         """The config of this party's connection for ``role`` (the deployment follower, the
@@ -108,10 +113,14 @@ class BrokerConfig:
             raise ConnectionError(f"cannot reach the MQTT broker at {self.host}:{self.port} ({reason}): "
                                   f"is it running, and is --broker right?") from None
 
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls_ca) or self.tls
+
     def url(self) -> str:
         """The address again (without the password), e.g. for logs and worker specs."""
         user = f"{self.username}@" if self.username else ""
-        scheme = "mqtts" if self.tls_ca else "mqtt"
+        scheme = "mqtts" if self.uses_tls else "mqtt"
         return f"{scheme}://{user}{self.host}:{self.port}?version={self.protocol}"
 
 
@@ -137,7 +146,7 @@ class MqttLink:
         self._clean_start = clean_start
         if broker.username:
             self.client.username_pw_set(broker.username, broker.password)
-        if broker.tls_ca:
+        if broker.uses_tls:             # no tls_ca: paho loads the system's trusted CAs
             self.client.tls_set(ca_certs=broker.tls_ca, certfile=broker.tls_cert, keyfile=broker.tls_key,
                                 tls_version=ssl.PROTOCOL_TLS_CLIENT)
         if will:

@@ -59,3 +59,44 @@ def test_a_fed3r_job_over_mqtt_311(broker_cls, tmp_path):
     assert result["state"] == "done" and sorted(result["contributed"]) == DEVICES
     Zb = [np.hstack([data_for(i)[0], np.ones((30, 1))]) for i in range(3)]
     np.testing.assert_allclose(np.load(tmp_path / "statistics.npz")["A"], sum(z.T @ z for z in Zb), rtol=1e-12)
+
+
+def test_an_mqtts_address_without_a_ca_file_still_speaks_tls_never_the_password_in_the_clear():
+    """A review's finding: ``mqtts://`` without --tls-ca made a plain TCP connection whose CONNECT
+    carried the MQTT password in the clear to whatever answered at the address. Now it is TLS
+    verified against the system's trusted CAs (as the Java client's ssl:// does): the first bytes
+    sent are a TLS handshake record, and the password is in none of them."""
+    import socket
+
+    from fedfleet.emulation.broker import free_port
+    from protocols.mqtt_link import MqttLink
+
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", port))
+    received = bytearray()
+
+    def take_first_connection():
+        conn, _ = listener.accept()
+        conn.settimeout(3)
+        try:
+            while len(received) < 4096:
+                block = conn.recv(4096)
+                if not block:
+                    break
+                received.extend(block)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    reader = threading.Thread(target=take_first_connection, daemon=True)
+    reader.start()
+    cfg = BrokerConfig.from_url(f"mqtts://dev01:S3CRET-MQTT-PW@127.0.0.1:{port}")
+    link = MqttLink("dev01", cfg, lambda *_: None)
+    with pytest.raises(ConnectionError):
+        link.start(timeout=2)
+    reader.join(5)
+    listener.close()
+    assert received[:1] == b"\x16", bytes(received[:32])           # a TLS handshake record, not MQTT CONNECT (0x10)
+    assert b"S3CRET-MQTT-PW" not in received
+    assert cfg.url().startswith("mqtts://")                         # and its address says so again
