@@ -507,3 +507,28 @@ def test_the_broker_user_cannot_replace_the_files_root_reads_and_mosquitto_still
     finally:
         broker.stop()
         shutil.rmtree(reachable)
+
+
+def test_a_revocation_whose_rewrite_a_crash_cut_off_is_applied_when_the_service_starts_again(secured, tmp_path):
+    """A review's finding: the store commits a revocation before the broker's files are rewritten;
+    a crash between the two left the revoked device in passwd and ACL, and no start-up rewrote them
+    (only a folder lacking the shards' accounts was): the broker let it in until the next
+    enrolment or revocation, with no warning anywhere. Now the service, built on the store at
+    start, rewrites files that admit other devices than the store does and reloads the broker."""
+    from aggregator.security.enrollment import Enrollment
+
+    sec, port = secured
+    store = Store(tmp_path / "state.db")
+    kept, revoked = (Enrollment(store, sec).enroll(d) for d in ("dev01", "dev02"))
+    time.sleep(1.5)                                    # past the trailing reload
+    assert connack_of(port, sec.ca_cert, user="dev02", password=revoked.mqtt_password) == "Success"
+    store.revoke_device("dev02")                       # committed; the process dies before the rewrite
+    assert "dev02:" in sec.passwd_file.read_text()
+    job = Fed3RJob(Fed3RConfig(**job_config(["dev01"], expected_devices=1)))
+    AggregatorService(job, BrokerConfig("127.0.0.1", port, AGGREGATOR_ID, sec.aggregator_password,
+                                        tls_ca=str(sec.ca_cert)),
+                      tmp_path / "out", ServiceSettings(tick_s=0.05), store=store, security=sec)
+    time.sleep(0.5)
+    assert "dev02" not in sec.passwd_file.read_text() and "dev02" not in sec.acl_file.read_text()
+    assert connack_of(port, sec.ca_cert, user="dev02", password=revoked.mqtt_password) == "Not authorized"
+    assert connack_of(port, sec.ca_cert, user="dev01", password=kept.mqtt_password) == "Success"

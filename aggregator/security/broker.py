@@ -290,11 +290,32 @@ class BrokerSecurity:
         its role accounts (the same password)."""
         aggregator = hash_password(self.aggregator_password, self.iterations)
         accounts = {account: aggregator for account in self._aggregator_accounts()}
-        for d, h in device_password_hashes.items():
-            accounts[check_device_id(d)] = accounts[role_account(d, DEPLOY_ROLE)] = accounts[role_account(d, FETCH_ROLE)] = h
+        accounts.update(self._device_accounts(device_password_hashes))
         owner = self._owner
         write_atomic(self.passwd_file, password_file_text(accounts).encode(), mode=0o600, owner=owner)
         write_atomic(self.acl_file, acl_text(self.topics, device_password_hashes).encode(), mode=0o600, owner=owner)
+
+    @staticmethod
+    def _device_accounts(device_password_hashes: dict[str, str]) -> dict[str, str]:
+        """Each device's accounts (its own and its role accounts) -> its password hash."""
+        accounts = {}
+        for d, h in device_password_hashes.items():
+            accounts[check_device_id(d)] = accounts[role_account(d, DEPLOY_ROLE)] = accounts[role_account(d, FETCH_ROLE)] = h
+        return accounts
+
+    def access_files_match(self, device_password_hashes: dict[str, str]) -> bool:
+        """Whether passwd and ACL admit exactly these devices, with these hashes, and every account
+        of the aggregator's: what :meth:`write_access_files` would write for them (the aggregator's
+        hashes aside, salted anew at each write)."""
+        try:
+            acl = self.acl_file.read_text()
+        except OSError:
+            return False
+        aggregator_accounts = set(self._aggregator_accounts())
+        lines = self._password_lines()
+        return (aggregator_accounts <= set(lines) and acl == acl_text(self.topics, device_password_hashes)
+                and {u: h for u, h in lines.items() if u not in aggregator_accounts}
+                == self._device_accounts(device_password_hashes))
 
     def reload(self) -> None:
         """Have the broker re-read its files now, and once more after a burst of changes ends

@@ -71,6 +71,18 @@ class Enrollment:
         self.store.revoke_device(device_id)
         return self._sync_broker()
 
+    def sync_broker_if_stale(self) -> str | None:
+        """At start: the broker's files rewritten from the store, and the broker reloaded, when they
+        admit other devices (or hashes) than the store does. The store commits an enrolment or a
+        revocation before the files are rewritten: a crash between the two, or a rewrite that failed
+        (its warning said so), left a revoked device admitted by the broker until the next change."""
+        if self.security is None or not self.security.passwd_file.exists():
+            return None
+        if self.security.access_files_match(self.store.password_hashes()):
+            return None
+        log.warning("the broker's password file and ACL differ from the store's devices: rewritten from the store")
+        return self._sync_broker()
+
     def registry(self) -> IdentityRegistry:
         """Enrolled devices that have an identity key (devices on a bare allow-list have none)."""
         return IdentityRegistry({d: k for d, k in self.store.enrolled_keys().items() if k is not None})
@@ -88,7 +100,7 @@ class Enrollment:
             log.error("the broker's access files could not be written: %s", exc)
             return (f"committed, but the broker's access files could not be written ({exc}): the broker keeps "
                     "its previous accounts (a revoked device may still connect; its messages are refused) until "
-                    "a later enrolment or revocation writes them from the store")
+                    "a later enrolment or revocation, or the aggregator's next start, writes them from the store")
         try:
             self.security.reload()
         except (OSError, RuntimeError) as exc:

@@ -54,6 +54,7 @@ class Fleet:
         if store is not None:
             self._load(enrolled, require_signatures)
             store.mark_all_offline()
+            self.enrollment.sync_broker_if_stale()       # its failure is logged; the broker keeps its files
         if self.mode == "open":
             log.warning("fleet mode OPEN: any device that connects may contribute (development only; "
                         "`fedfleet admin fleet mode enrolled` restricts the fleet to enrolled devices)")
