@@ -10,8 +10,9 @@ Aggregation: Mitigating Multi-Round Privacy Leakage in Federated Learning").
 
 **The rule.** An input is named by a digest of what determines it (``input_key``: Fed3R-Sync's
 vector before any noise, the device's exact statistics; for an update that differs each time it is
-computed, the task: its kind, params but the group, tensors). Per input, the device keeps the
-digest of one member set, the set every sum of it may be over:
+computed, the task: its kind, params but the group, tensors; ``vector_key``, ``member_digest``: portable
+definitions the Java device's ``SecureInputLedger`` reproduces bit for bit). Per input, the device
+keeps the digest of one member set, the set every sum of it may be over:
 
 * its masked input leaves only in a round whose key directory lists exactly that set (every sum
   that could reveal it is over a subset of those participants); with none kept yet, it leaves and
@@ -37,8 +38,8 @@ inputs here; the sample-window ledger (``sample_windows.py``) bounds what their 
 isolate. Distributed-DP rounds are named by their params (noise scale included) before their
 noise, so their re-sends are held too. docs/secure-aggregation.md, "Threat model", says more.
 
-**Kept** in the device's state folder (``secure_inputs.json``), else in memory for the process's
-life. Bounded: ``MAX_INPUTS`` entries, the oldest forgotten first (a secure FedAvg device adds one
+**Kept** in the device's state folder (``secure_inputs.json``, canonical JSON: the Java device
+writes the same bytes and reads this file), else in memory for the process's life. Bounded: ``MAX_INPUTS`` entries, the oldest forgotten first (a secure FedAvg device adds one
 a round). A file that cannot be read (damaged, too large, not ours) fails closed: every secure
 input is refused with ``LOST_REASON`` until an operator repairs it or moves it aside.
 """
@@ -46,14 +47,13 @@ input is refused with ``LOST_REASON`` until an operator repairs it or moves it a
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from protocols.envelope import parse_strict_json
+from protocols.envelope import canonical_json, parse_strict_json
 from protocols.files import write_atomic
 from protocols.regular_file import read_small_file
 
@@ -74,20 +74,33 @@ LOST_REASON = (f"this device's secure-input ledger ({SECURE_INPUTS_FILE} in its 
 
 
 def member_digest(members) -> str:
-    """The digest of a member set (device ids; order does not matter)."""
+    """The digest of a member set (device ids, order not mattering): the first DIGEST_HEX lowercase
+    hex digits of SHA-256 over the ids sorted by code point, joined by "\\n", UTF-8."""
     return hashlib.sha256("\n".join(sorted(members)).encode()).hexdigest()[:DIGEST_HEX]
 
 
-def input_key(kind: str, params: dict, tensors: dict[str, np.ndarray], extent=None) -> str:
+def input_key(kind: str, params: dict, tensors: dict[str, np.ndarray]) -> str:
     """The digest naming one input: what determines it, the group (the round's routing) left out.
-    No job or round id either: the same task under another job's name is the same input."""
-    h = hashlib.sha256(json.dumps({"kind": kind, "params": {k: v for k, v in params.items() if k != "group"},
-                                   "extent": extent}, sort_keys=True, default=repr).encode())
+    No job or round id either: the same task under another job's name is the same input.
+
+    Portable, so both SDKs name one input alike (docs/secure-aggregation.md, "The secure-input
+    ledger's digests"; ``protocols/golden/secure_inputs.json``): SHA-256 over the canonical JSON
+    (docs/protocol.md) of ``{"kind": kind, "params": params less "group"}``, then per tensor, by
+    name in code-point order, the canonical JSON of ``[name, wire dtype, shape]`` and its
+    little-endian C-order bytes; the first DIGEST_HEX hex digits."""
+    h = hashlib.sha256(canonical_json({"kind": kind, "params": {k: v for k, v in params.items() if k != "group"}}))
     for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
-        h.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        array = np.asarray(tensors[name])        # not ascontiguousarray: it makes a scalar's shape [1]
+        array = array.astype(array.dtype.newbyteorder("<"), order="C", copy=False)
+        h.update(canonical_json([name, array.dtype.name, list(array.shape)]))
         h.update(array.tobytes())
     return h.hexdigest()[:DIGEST_HEX]
+
+
+def vector_key(kind: str, vector: np.ndarray) -> str:
+    """The key of an input named by its vector itself (Fed3R-Sync's statistics before noise): the
+    ``input_key`` of ``kind``, no params, and the vector as the float64 tensor ``input``."""
+    return input_key(kind, {}, {"input": np.asarray(vector, np.float64)})
 
 
 class SecureInputLedger:
@@ -139,8 +152,8 @@ class SecureInputLedger:
         if self.path is None:
             return None
         try:
-            write_atomic(self.path, json.dumps({"inputs": [[k, v] for k, v in self._kept.items()]},
-                                               separators=(",", ":")).encode(), temp_prefix=TEMP_PREFIX)
+            write_atomic(self.path, canonical_json({"inputs": [[k, v] for k, v in self._kept.items()]}),
+                         temp_prefix=TEMP_PREFIX)
         except OSError as exc:
             self._kept = before              # not remembered across a restart: not sent
             log.warning("writing the device's secure inputs %s failed (%s)", self.path, str(exc)[:200])
@@ -204,4 +217,4 @@ def _is_digest(value) -> bool:
 
 
 __all__ = ["LOST_REASON", "MAX_INPUTS", "OTHER_MEMBERS_REASON", "SECURE_INPUTS_FILE",
-           "SecureInputLedger", "input_key", "member_digest"]
+           "SecureInputLedger", "input_key", "member_digest", "vector_key"]

@@ -10,6 +10,9 @@ server (protocols/secagg/driver.py), over its wire form (signed `secagg` envelop
   distributed-DP noise;
 * a share row it cannot decrypt is accused (ShareAccusation) and the device stays in the round
   without that peer's shares;
+* its secure-input ledger (state folder, SecureInputLedger) sums its same input over one member
+  set only: a second group is left before the masked input leaves, the first group's members are
+  answered again after a restart;
 * a hostile server is refused: a request for both shares of one peer (the round is aborted and
   nothing revealed), forwarded shares of too few neighbours to mask with (no masked input), a key directory with a substituted key, a message not signed by the
   aggregator's key (refused, nothing changes).
@@ -29,12 +32,13 @@ import numpy as np
 import pytest
 
 import java_build
+from edge_client.secure_inputs import OTHER_MEMBERS_REASON, SECURE_INPUTS_FILE, SecureInputLedger, member_digest, vector_key
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
 from protocols.identity import DeviceIdentity, sender_verifier
-from protocols.payloads.secagg import from_envelope, to_envelope
+from protocols.payloads.secagg import SYNC_KIND, from_envelope, to_envelope
 from protocols.secagg import ClientSecAgg, ClientState, RoundConfig
 from protocols.secagg.driver import plain_fixed_point_sum, run_round
-from protocols.secagg.errors import ProtocolViolation, SecAggError
+from protocols.secagg.errors import ProtocolViolation, ReleaseRefused, SecAggError
 from protocols.secagg.events import AggregateReady, Phase
 from protocols.secagg.messages import (MESSAGE_DOMAIN, ConsistencyCheckRequest, EncryptedShares, ForwardedShares,
                                        KeyDirectory, RoundStart, UnmaskRequest)
@@ -50,13 +54,15 @@ M, BOUND = 64, 50.0
 class JavaClient:
     """The driver's client interface (handle, state, provide_input) over the Java bridge."""
 
-    def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path, dp: bool = False):
+    def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path, dp: bool = False, ledger=None):
+        """``ledger``: the state folder of the device's secure-input ledger (None: no ledger)."""
         self.key = DeviceIdentity.from_private_bytes(JAVA, seed).public_key_bytes
         (tmp_path / "input.f64").write_bytes(np.asarray(vector, "<f8").tobytes())
         self.proc = subprocess.Popen(
             java_build.java_command("-cp", java_build.built(), "SecAggBridge", JAVA, seed.hex(),
                                     AGGREGATOR.public_key_bytes.hex(), config.job_id, str(config.round_id),
-                                    config.group_id, str(tmp_path / "input.f64"), *(["dp"] if dp else [])),
+                                    config.group_id, str(tmp_path / "input.f64"), *(["dp"] if dp else []),
+                                    *([f"ledger={ledger}"] if ledger is not None else [])),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.state = ClientState.WAITING_CONFIG
         self.refusals: list[str] = []
@@ -86,12 +92,14 @@ class JavaClient:
         if error is not None:
             self.refusals.append(error)
             cls, _, why = error.partition(" ")
-            raise (ProtocolViolation if cls == "ProtocolViolation" else SecAggError)(why)
+            raise {"ProtocolViolation": ProtocolViolation, "ReleaseRefused": ReleaseRefused}.get(cls, SecAggError)(why)
         return replies
 
-    def retask(self):
-        """The bridge's device gets its task again (SecAggSessions.open with a fresh client)."""
-        self.proc.stdin.write("RETASK\n")
+    def retask(self, config: RoundConfig | None = None):
+        """The bridge's device gets its task again (SecAggSessions.open with a fresh client), or,
+        with ``config``, the task of that round for the same input."""
+        where = "" if config is None else f" {config.job_id} {config.round_id} {config.group_id}"
+        self.proc.stdin.write(("RETASK" if config is None else "TASK") + where + "\n")
         self.proc.stdin.flush()
         kind, _, rest = self.proc.stdout.readline().strip().partition(" ")
         assert kind == "STATE", self.proc.stderr.read()[-3000:]
@@ -194,6 +202,56 @@ def test_java_device_keeps_its_live_round_when_its_task_comes_again(tmp_path):
     assert java.refusals == [] and java.state is ClientState.FINISHED
     assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
     assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
+
+
+def test_java_device_sums_its_same_input_over_one_member_set_only(tmp_path):
+    """The differencing scenario (tests/test_secure_input_ledger.py) with the Java device as u, its
+    same input asked into a group, then into another (the five-groups attack's second sum, which
+    less the first would isolate differences of inputs). Its ledger answers the first group, and
+    leaves the second before its masked input leaves, in the Python device's words (the others'
+    sum goes on without it); restarted on its state folder, it answers the first group's members
+    again. The file names the input and the set as the Python device does. Failing before: the Java
+    device sent its input to every group."""
+    rng = np.random.default_rng(7)
+    java_seed = os.urandom(32)
+    identities = {JAVA: DeviceIdentity.from_private_bytes(JAVA, java_seed),
+                  **{f"dev-py{i}": DeviceIdentity.generate(f"dev-py{i}") for i in range(4)}}
+    inputs = {d: rng.uniform(-BOUND, BOUND, M) for d in identities}
+    configs = [RoundConfig.create(job_id=f"job{r}", round_id=r, group_id=f"g{r}", aggregator_id="aggregator",
+                                  members=members, vector_length=M, bound=BOUND, graph="complete")
+               for r, members in enumerate([[JAVA, "dev-py0", "dev-py1", "dev-py2"], [JAVA, "dev-py0", "dev-py1", "dev-py3"],
+                                            [JAVA, "dev-py0", "dev-py1", "dev-py2"]], start=1)]
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def round_of(config, java):
+        run = run_round(config, AGGREGATOR, {d: identities[d] for d in config.members}, inputs,
+                        client_factory=lambda d, i: java if d == JAVA else None)
+        assert isinstance(run.outcome, AggregateReady), run.outcome
+        return run
+
+    java = JavaClient(java_seed, configs[0], inputs[JAVA], tmp_path, ledger=state)
+    try:
+        first = round_of(configs[0], java)
+        assert java.refusals == [] and java.state is ClientState.FINISHED
+        java.retask(configs[1])
+        second = round_of(configs[1], java)
+    finally:
+        java.close()
+    assert np.array_equal(first.outcome.sum_words, plain_fixed_point_sum(configs[0], [inputs[d] for d in configs[0].members]))
+    assert java.refusals == [f"ReleaseRefused {OTHER_MEMBERS_REASON}"] and java.state is ClientState.ABORTED
+    assert second.outcome.survivors == ("dev-py0", "dev-py1", "dev-py3")
+    assert np.array_equal(second.outcome.sum_words,
+                          plain_fixed_point_sum(configs[1], [inputs[d] for d in second.outcome.survivors]))
+    kept = SecureInputLedger(state / SECURE_INPUTS_FILE)           # the Python device's reader, key and digest
+    assert kept.lost is None and kept.kept(vector_key(SYNC_KIND, inputs[JAVA])) == member_digest(configs[0].members)
+    restarted = JavaClient(java_seed, configs[2], inputs[JAVA], tmp_path, ledger=state)
+    try:
+        again = round_of(configs[2], restarted)
+    finally:
+        restarted.close()
+    assert restarted.refusals == [] and restarted.state is ClientState.FINISHED
+    assert np.array_equal(again.outcome.sum_words, first.outcome.sum_words)
 
 
 def both_shares(msg):

@@ -23,7 +23,7 @@ from protocols.payloads.secagg import SYNC_KIND, pack_sync_vector, scale_sync_bl
 from protocols.payloads.secure_tasks import SecureFed3RParams
 
 from ..agent import TaskDeclined
-from ..secure_inputs import input_key
+from ..secure_inputs import vector_key
 from .fed3r_stats import Fed3RStatsTask
 from .params import read_params
 from .secure_update import SecAggSessions, SecureUpdate
@@ -31,6 +31,7 @@ from .secure_update import SecAggSessions, SecureUpdate
 
 class SecureFed3R(SecureUpdate):
     round_type = SecureFed3RParams
+    kind = SYNC_KIND
 
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, stats: Fed3RStatsTask,
                  sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):
@@ -62,7 +63,7 @@ class SecureFed3R(SecureUpdate):
                 clean = scale_sync_blocks(clean, p, num_classes, task.block_scales.a_off_diagonal,
                                           task.block_scales.b)
                 clean[-1] = 1.0
-        named = input_key(SYNC_KIND, {}, {"input": clean})
+        named = vector_key(SYNC_KIND, clean)
         return (clean if task.dp is None else self.add_noise(clean, task.dp, noised=noised)), named
 
 

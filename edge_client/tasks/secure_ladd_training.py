@@ -36,6 +36,7 @@ from .secure_update import SecAggSessions, SecureUpdate
 
 class SecureLaddTraining(SecureUpdate):
     round_type = SecureLaddParams
+    kind = SECURE_LADD_KIND
 
     def __init__(self, identity: DeviceIdentity, aggregator_public_key: bytes, training: LaddTrainTask,
                  sessions: SecAggSessions | None = None, noise_rng: np.random.Generator | None = None):

@@ -149,6 +149,7 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
 
     # the secure round's fields this wrapper reads (the plain handler it wraps reads the plain kind's)
     round_type: type[WireParams] = SecureUpdateRound
+    kind: str               # the wire kind served: it names the task's input (input_key), as on the Java device
 
     def vector(self, params: dict, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """The float vector this device contributes to the group sum (raise TaskDeclined to refuse)."""
@@ -157,7 +158,7 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
     def contribution(self, params: dict, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, str]:
         """The vector and its input key (``edge_client/secure_inputs.py``): by default the task's
         (its kind, params and tensors), for an update that differs each time it is computed."""
-        return self.vector(params, tensors), input_key(getattr(self, "kind", type(self).__name__), params, tensors)
+        return self.vector(params, tensors), input_key(self.kind, params, tensors)
 
     def on_task(self, job: str, round_: int, params: dict, tensors: dict[str, np.ndarray] | None = None
                 ) -> list[Envelope]:

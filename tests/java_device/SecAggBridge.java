@@ -1,11 +1,15 @@
 // One Java SecAgg client driven over standard input/output, so a test can put it in a round run
 // by the Python server (protocols/secagg/driver.py) and play a hostile server against it.
-// Usage: java SecAggBridge <device> <seed hex> <aggregator key hex> <job> <round> <group> <input file (float64 LE)> [dp]
-// ("dp": the input carries a distributed-DP noise share, as a secure task's with dp would)
+// Usage: java SecAggBridge <device> <seed hex> <aggregator key hex> <job> <round> <group> <input file (float64 LE)> [dp] [ledger=<folder>]
+// ("dp": the input carries a distributed-DP noise share, as a secure task's with dp would; "ledger=":
+// the device's secure-input ledger kept in that state folder guards its rounds, the input named as
+// a Fed3R-Sync device names its vector, SecureInputLedger.vectorKey)
 // Each input line is a base64 `secagg` envelope from the aggregator; the bridge answers with
 // "REPLY <base64 envelope>" lines, an "ERROR <kind> <message>" line when the client refused the
 // message, and a final "STATE <client state>" line. A "RETASK" line opens the round again with a
-// fresh client, as a re-sent task does on a device (SecAggSessions: the live round is kept).
+// fresh client, as a re-sent task does on a device (SecAggSessions: the live round is kept). A
+// "TASK <job> <round> <group>" line opens that round for the same input (the device asked into
+// another group) and messages go to it from then on. A round the ledger refused: "ERROR ReleaseRefused".
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.file.*;
@@ -22,18 +26,33 @@ public final class SecAggBridge {
         ByteBuffer raw = ByteBuffer.wrap(Files.readAllBytes(Paths.get(a[6]))).order(ByteOrder.LITTLE_ENDIAN);
         double[] input = new double[raw.remaining() / 8];
         for (int i = 0; i < input.length; i++) input[i] = raw.getDouble();
-        boolean dp = a.length > 7 && a[7].equals("dp");
+        List<String> options = Arrays.asList(a).subList(7, a.length);
+        boolean dp = options.contains("dp");
+        SecureInputLedger ledger = null;
+        for (String o : options)
+            if (o.startsWith("ledger=")) ledger = new SecureInputLedger(new File(o.substring(7), SecureInputLedger.NAME));
+        ReleaseGuard guard = null;
+        String job = a[3], group = a[5];
         long round = Long.parseLong(a[4]);
         SecAggSessions sessions = new SecAggSessions(a[0], 4);
-        sessions.open(a[3], round, a[5], new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, a[3], round, a[5], input, dp));
-        ClientSecAgg client = sessions.session(a[3], round, a[5]);
+        if (ledger != null) guard = ledger.release(SecureInputLedger.vectorKey(SecureFed3RTask.KIND, input));
+        sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard));
+        ClientSecAgg client = sessions.session(job, round, group);
         BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
         PrintStream out = System.out;
         for (String line; (line = in.readLine()) != null; ) {
-            if (line.trim().equals("RETASK")) {
-                sessions.open(a[3], round, a[5], new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, a[3], round, a[5], input, dp));
-                client = sessions.session(a[3], round, a[5]);
+            String[] words = line.trim().split(" ");
+            if (words[0].equals("RETASK") || words[0].equals("TASK")) {
+                if (words[0].equals("TASK")) {
+                    job = words[1];
+                    round = Long.parseLong(words[2]);
+                    group = words[3];
+                }
+                if (ledger != null) guard = ledger.release(SecureInputLedger.vectorKey(SecureFed3RTask.KIND, input));
+                sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard));
+                client = sessions.session(job, round, group);
                 out.println("STATE " + client.state());
+                out.flush();
                 continue;
             }
             try {
@@ -44,6 +63,8 @@ public final class SecAggBridge {
                 }
             } catch (SecAggException.ProtocolViolation e) {
                 out.println("ERROR ProtocolViolation " + e.getMessage());
+            } catch (SecAggException.ReleaseRefused e) {
+                out.println("ERROR ReleaseRefused " + e.getMessage());
             } catch (SecAggException | Envelope.EnvelopeError e) {
                 out.println("ERROR SecAggError " + e.getMessage());
             }

@@ -6,7 +6,10 @@
 // vector's blocks (SyncBlockScales; the count slot then 1). The private feature center's round
 // (center_round) contributes A's intercept column only, (Σ z, n) over the clipped rows, every
 // entry noised (protocols/payloads/secagg.py sync_center_vector); a centered task's rows are
-// shifted by its feature_center tensor first (Fed3RStatsTask). Params: SecureFed3RParams.
+// shifted by its feature_center tensor first (Fed3RStatsTask). Params: SecureFed3RParams. Its input
+// key is the vector before noise (SecureInputLedger.vectorKey, edge_client/tasks/secure_fed3r.py):
+// the statistics are a function of the device's window, so the same window sent to two groups is
+// the same input, whatever the task's ignored fields.
 package org.fedfleet.device;
 
 import java.util.List;
@@ -35,7 +38,8 @@ public final class SecureFed3RTask implements SecureTask {
                 end += acc.p - i;
                 column[i] = a[end - 1];
             }
-            return new Contribution(task.group, noise.add(column, task.dp, column.length), true);
+            return new Contribution(task.group, noise.add(column, task.dp, column.length), true,
+                    SecureInputLedger.vectorKey(KIND, column));
         }
         long[] all = new long[acc.numClasses];
         for (int c = 0; c < all.length; c++) all[c] = c;
@@ -45,9 +49,9 @@ public final class SecureFed3RTask implements SecureTask {
         System.arraycopy(b, 0, v, a.length, b.length);
         if (task.dp != null) {              // count 0, or 1 once the blocks are scaled (SyncBlockScales)
             if (task.blockScales != null) task.blockScales.apply(v, acc.p);
-            return new Contribution(task.group, noise.add(v, task.dp, v.length - 1), true);
+            return new Contribution(task.group, noise.add(v, task.dp, v.length - 1), true, SecureInputLedger.vectorKey(KIND, v));
         }
         v[v.length - 1] = acc.n();
-        return new Contribution(task.group, v);
+        return new Contribution(task.group, v, false, SecureInputLedger.vectorKey(KIND, v));
     }
 }

@@ -1,7 +1,9 @@
 // A task kind answered under secure aggregation: the device computes one fixed-shape float
 // vector, and the group's SecAgg round (SecAggSessions) sums it with its peers' vectors; the
 // aggregator never sees it. The task's typed params name the round's group. Throw TaskDeclined to
-// refuse (malformed params, more samples than the round's bound, ...).
+// refuse (malformed params, more samples than the round's bound, ...). Which rounds the vector may
+// leave in is the device's secure-input ledger's (SecureInputLedger), by the input's key: the
+// task's (kind, params less group, tensors) unless the contribution names its own.
 package org.fedfleet.device;
 
 import java.util.List;
@@ -17,11 +19,16 @@ public interface SecureTask {
         public final double[] vector;
         /** The vector carries this device's distributed-DP noise share (its SecAgg round must be 64-bit). */
         public final boolean distributedDp;
+        /** The input's key (SecureInputLedger); null: the task's (SecureInputLedger.inputKey of its kind,
+         *  params and tensors), for an update that differs each time it is computed. */
+        public final String inputKey;
 
         public Contribution(String group, double[] vector) { this(group, vector, false); }
 
-        public Contribution(String group, double[] vector, boolean distributedDp) {
-            this.group = group; this.vector = vector; this.distributedDp = distributedDp;
+        public Contribution(String group, double[] vector, boolean distributedDp) { this(group, vector, distributedDp, null); }
+
+        public Contribution(String group, double[] vector, boolean distributedDp, String inputKey) {
+            this.group = group; this.vector = vector; this.distributedDp = distributedDp; this.inputKey = inputKey;
         }
     }
 }

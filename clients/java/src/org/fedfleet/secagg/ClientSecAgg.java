@@ -15,7 +15,9 @@
 //
 // Every message must come from the aggregator, to this device, for this (job, round, group), and
 // verify under the aggregator's key; otherwise SecAggException and nothing changes. Handlers
-// compute first and commit last; a ProtocolViolation aborts the round and erases the secrets.
+// compute first and commit last; a ProtocolViolation aborts the round and erases the secrets, and
+// so does a ReleaseRefused: the device's ReleaseGuard (optional), asked last before the masked input
+// (with U1) and the unmask shares (with U3) leave, refused (protocols/secagg/client.py release_guard).
 package org.fedfleet.secagg;
 
 import java.math.BigInteger;
@@ -34,6 +36,7 @@ import org.bouncycastle.crypto.params.X25519PrivateKeyParameters;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Json;
 import org.fedfleet.secagg.SecAggException.ProtocolViolation;
+import org.fedfleet.secagg.SecAggException.ReleaseRefused;
 
 public final class ClientSecAgg {
     public enum State { WAITING_CONFIG, ADVERTISED, SHARES_SENT, INPUT_SENT, CONSISTENCY_SENT, FINISHED, ABORTED }
@@ -48,6 +51,7 @@ public final class ClientSecAgg {
     private final byte[] identityPublicKey, aggregatorKey;
     private double[] input;
     private final boolean distributedDp;
+    private final ReleaseGuard releaseGuard;     // null: every input leaves
     private State state = State.WAITING_CONFIG;
     private RoundConfig config;
     private RingVector encoded;
@@ -70,7 +74,15 @@ public final class ClientSecAgg {
      *  is sized for the 64-bit ring: a round in another ring is refused at its start. */
     public ClientSecAgg(String deviceId, Envelope.Signer identity, byte[] identityPublicKey, String aggregatorId,
                         byte[] aggregatorKey, String jobId, long roundId, String groupId, double[] input, boolean distributedDp) {
+        this(deviceId, identity, identityPublicKey, aggregatorId, aggregatorKey, jobId, roundId, groupId, input, distributedDp, null);
+    }
+
+    /** releaseGuard: asked before the masked input and the unmask shares leave (the file's head); null: none. */
+    public ClientSecAgg(String deviceId, Envelope.Signer identity, byte[] identityPublicKey, String aggregatorId,
+                        byte[] aggregatorKey, String jobId, long roundId, String groupId, double[] input, boolean distributedDp,
+                        ReleaseGuard releaseGuard) {
         this.distributedDp = distributedDp;
+        this.releaseGuard = releaseGuard;
         this.deviceId = deviceId; this.identity = identity; this.identityPublicKey = identityPublicKey.clone();
         this.aggregatorId = aggregatorId; this.aggregatorKey = aggregatorKey.clone();
         this.jobId = jobId; this.roundId = roundId; this.groupId = groupId; this.input = input.clone();
@@ -100,7 +112,7 @@ public final class ClientSecAgg {
                     return config.consistencyCheck ? onConsistencyRequest(m) : onUnmaskRequest(m);
                 default: expect(m, "secagg.unmask_request"); return onUnmaskRequest(m);
             }
-        } catch (ProtocolViolation e) {
+        } catch (ProtocolViolation | ReleaseRefused e) {
             abort();
             throw e;
         }
@@ -308,6 +320,7 @@ public final class ClientSecAgg {
         }
         replies.add(reply("secagg.masked_input", new LinkedHashMap<String, Object>(),
                 SecAggMessage.arrays(masked.tensor("masked_input"))));
+        askGuard(releaseGuard == null ? null : releaseGuard.maskedInput(Collections.unmodifiableSet(participants)));  // last: it may record the release
         held = got; u2 = new HashSet<>(senders); accused = bad; encoded = null; input = null;
         state = State.INPUT_SENT;
         return replies;
@@ -350,6 +363,7 @@ public final class ClientSecAgg {
         payload.put("key_owners", keyOwners);
         SecAggMessage reply = reply("secagg.unmask_shares", payload, SecAggMessage.arrays(
                 shareRows("self_mask_shares", selfShares), shareRows("key_shares", keyShares)));
+        askGuard(releaseGuard == null ? null : releaseGuard.unmask(Collections.unmodifiableSet(survivors)));
         eraseSecrets();
         state = State.FINISHED;
         return Collections.singletonList(reply);
@@ -370,6 +384,10 @@ public final class ClientSecAgg {
     }
 
     // ---------------- helpers ----------------
+    private static void askGuard(String refusal) throws ReleaseRefused {
+        if (refusal != null) throw new ReleaseRefused(refusal);
+    }
+
     private SecAggMessage reply(String type, Map<String, Object> payload, Map<String, Envelope.Tensor> arrays) throws SecAggException {
         return SecAggMessage.signed(type, jobId, roundId, groupId, deviceId, aggregatorId, payload, arrays, identity);
     }

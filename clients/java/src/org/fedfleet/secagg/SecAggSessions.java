@@ -2,7 +2,8 @@
 // (edge_client/tasks/secure_update.py): a secure task opens one, every `secagg` envelope from
 // the aggregator is fed to its round, and the replies go back. At most maxSessions are kept. A
 // task re-sent for a (job, round, group) whose round is live is a duplicate: the live round is
-// kept (replacing it with fresh keys mid-round would drop this device out).
+// kept (replacing it with fresh keys mid-round would drop this device out). A round its client's
+// ReleaseGuard refused (the device's secure-input ledger) is aborted and left, the reason logged.
 package org.fedfleet.secagg;
 
 import java.util.Arrays;
@@ -26,8 +27,7 @@ public final class SecAggSessions {
     /** Opens the round with client; false (nothing changed) where a live round holds the key. */
     public boolean open(String job, long round, String group, ClientSecAgg client) {
         List<Object> key = Arrays.<Object>asList(job, round, group);
-        ClientSecAgg live = sessions.get(key);
-        if (live != null && !live.done()) {
+        if (live(job, round, group)) {
             LOG.info(deviceId + ": task for the live secure round " + key + " again: a duplicate");
             return false;
         }
@@ -36,6 +36,12 @@ public final class SecAggSessions {
         Iterator<List<Object>> oldest = sessions.keySet().iterator();
         while (sessions.size() > maxSessions) { oldest.next(); oldest.remove(); }
         return true;
+    }
+
+    /** Whether the round (job, round, group) is open here and not over. */
+    public boolean live(String job, long round, String group) {
+        ClientSecAgg client = session(job, round, group);
+        return client != null && !client.done();
     }
 
     /** The round open for (job, round, group), or null. */
@@ -64,6 +70,9 @@ public final class SecAggSessions {
         }
         try {
             return client.handle(m);
+        } catch (SecAggException.ReleaseRefused e) {       // the round is aborted: the input does not leave
+            LOG.warning(deviceId + ": leaves secure round " + m.header.get("job_id") + "/" + round + ": " + e.getMessage());
+            return Collections.emptyList();
         } catch (SecAggException e) {
             LOG.warning(deviceId + ": secagg error: " + e.getMessage());
             return Collections.emptyList();

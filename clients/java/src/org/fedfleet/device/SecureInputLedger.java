@@ -1,0 +1,242 @@
+// The device's secure-input ledger (the Java side of edge_client/secure_inputs.py: the same rule, the
+// same digests, the same file, the same words). SecAgg reveals a group's sum, never a member's input,
+// within one round; across rounds a device sending the same input (Fed3R-Sync statistics of one
+// window, a re-sent identical FedAvg task) to several groups lets an aggregator difference the sums.
+//
+// The rule: per input key (inputKey / vectorKey: docs/secure-aggregation.md, "The secure-input
+// ledger's digests") the device keeps one member-set digest (memberDigest). Its masked input leaves
+// only in a round whose key directory lists exactly that set (none kept yet: the participants U1 are
+// kept, written before it leaves); it answers the unmask phase only when the survivors U3 are exactly
+// the set kept, except in the round that first sent it, where U3 becomes the set kept. Otherwise the
+// round is left (ClientSecAgg's ReleaseGuard: ReleaseRefused, OTHER_MEMBERS_REASON logged).
+//
+// Kept in the device's state folder (secure_inputs.json, {"inputs":[[key, member digest], ...]} oldest
+// first, canonical JSON: byte for byte what the Python device writes, so either reads the other's),
+// else in memory for the process's life. Bounded: MAX_INPUTS entries, the oldest forgotten first. A
+// file that cannot be read (not a regular file of at most MAX_FILE_BYTES, not strict JSON, an entry
+// that is not two 32-digit lowercase hex strings, a key twice) fails closed: every secure input is
+// refused with LOST_REASON (the task declined), the file left for the operator and read again at
+// each secure task, so a repaired or moved-aside file serves without a restart. A write that fails
+// keeps nothing and the input is not sent. Not job state: DeviceStateStore.forget() leaves it.
+package org.fedfleet.device;
+
+import java.io.File;
+import java.io.IOException;
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.NoSuchFileException;
+import java.nio.file.attribute.BasicFileAttributes;
+import java.security.MessageDigest;
+import java.security.NoSuchAlgorithmException;
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.Collections;
+import java.util.Iterator;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.Set;
+import java.util.logging.Logger;
+import java.util.regex.Pattern;
+import org.fedfleet.secagg.ReleaseGuard;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Json;
+import org.fedfleet.wire.LogText;
+
+public final class SecureInputLedger {
+    public static final String NAME = "secure_inputs.json";
+    public static final int MAX_INPUTS = 1024;
+    /** 128 bits of SHA-256, lowercase hex: a collision would need 2^64 inputs. */
+    public static final int DIGEST_HEX = 32;
+    /** Each entry ["<32 hex>","<32 hex>"] is 72 bytes (edge_client/secure_inputs.py MAX_FILE_BYTES). */
+    public static final int MAX_FILE_BYTES = 80 * MAX_INPUTS + 64;
+    public static final String OTHER_MEMBERS_REASON = "this device's input to this task already went to a secure round of "
+            + "other members: revealed over these too, the two sums could be differenced (multi-round leakage), so it "
+            + "takes part only in a round of those same members";
+    public static final String LOST_REASON = "this device's secure-input ledger (" + NAME + " in its state folder) could "
+            + "not be read: it sends no secure input until an operator repairs that file or moves it aside";
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
+    private static final Pattern DIGEST = Pattern.compile("[0-9a-f]{" + DIGEST_HEX + "}");
+
+    private final File path;
+    private LinkedHashMap<String, String> kept = new LinkedHashMap<>();     // input key -> member digest, oldest first
+    private String lost;
+
+    /** path: where the inputs are kept (<state folder>/secure_inputs.json); null: in memory. */
+    public SecureInputLedger(File path) {
+        this.path = path;
+        if (path != null) load();
+    }
+
+    // ---------------- the digests (docs/secure-aggregation.md) ----------------
+    /** A member set's digest: SHA-256 over the device ids sorted by code point, joined by "\n", UTF-8. */
+    public static String memberDigest(Iterable<String> members) {
+        List<String> sorted = new ArrayList<>();
+        for (String m : members) sorted.add(m);
+        sorted.sort(Json.CODE_POINT_ORDER);
+        return hex(sha256().digest(String.join("\n", sorted).getBytes(StandardCharsets.UTF_8)));
+    }
+
+    /** The key of a task's input: SHA-256 over the canonical JSON of {"kind", "params" less "group"},
+     *  then per tensor by name in code-point order the canonical JSON of [name, dtype, shape] and its
+     *  bytes (little-endian, C order, as the envelope carries them). */
+    public static String inputKey(String kind, Map<String, Object> params, List<Envelope.Tensor> tensors) throws Json.JsonError {
+        Map<String, Object> rest = new LinkedHashMap<>(params);
+        rest.remove("group");                      // the round's routing: the same input in any group
+        Map<String, Object> head = new LinkedHashMap<>();
+        head.put("kind", kind);
+        head.put("params", rest);
+        MessageDigest h = sha256();
+        h.update(Json.canonical(head));
+        List<Envelope.Tensor> byName = new ArrayList<>(tensors);
+        byName.sort((a, b) -> Json.CODE_POINT_ORDER.compare(a.name, b.name));
+        for (Envelope.Tensor t : byName) {
+            List<Object> shape = new ArrayList<>();
+            for (long d : t.shape) shape.add(d);
+            h.update(Json.canonical(Arrays.<Object>asList(t.name, t.dtype, shape)));
+            h.update(t.data);
+        }
+        return hex(h.digest());
+    }
+
+    /** The key of an input named by its vector (Fed3R-Sync's statistics before noise): inputKey of
+     *  kind, no params, and the vector as the float64 tensor "input". */
+    public static String vectorKey(String kind, double[] vector) {
+        ByteBuffer bytes = ByteBuffer.allocate(8 * vector.length).order(ByteOrder.LITTLE_ENDIAN);
+        for (double v : vector) bytes.putDouble(v);
+        try {
+            return inputKey(kind, Collections.<String, Object>emptyMap(),
+                    Collections.singletonList(new Envelope.Tensor("input", "float64", new long[] {vector.length}, bytes.array())));
+        } catch (Json.JsonError e) {            // a kind and a shape are always JSON
+            throw new IllegalStateException(e);
+        }
+    }
+
+    // ---------------- the ledger ----------------
+    /** The release guard of one round carrying the input `key` (ClientSecAgg's ReleaseGuard). */
+    public ReleaseGuard release(String key) { return new InputRelease(key); }
+
+    /** The member-set digest kept for `key`, or null. */
+    public synchronized String kept(String key) { return kept.get(key); }
+
+    /** Why the kept file could not be read (every secure input is then refused), or null. */
+    public synchronized String lost() { return lost; }
+
+    /** Read the kept file again (a lost one may have been repaired or moved aside): why it cannot be, or null. */
+    public synchronized String reload() { return path == null ? null : load(); }
+
+    private final class InputRelease implements ReleaseGuard {
+        private final String key;
+        private boolean first;        // this round sent the input first: its survivors become the set kept
+
+        InputRelease(String key) { this.key = key; }
+
+        @Override
+        public String maskedInput(Set<String> participants) {
+            synchronized (SecureInputLedger.this) {
+                first = false;
+                if (lost != null && load() != null) return LOST_REASON;
+                String digest = memberDigest(participants);
+                if (!kept.containsKey(key)) {
+                    first = true;
+                    return keep(key, digest);
+                }
+                return kept.get(key).equals(digest) ? null : OTHER_MEMBERS_REASON;
+            }
+        }
+
+        @Override
+        public String unmask(Set<String> survivors) {
+            synchronized (SecureInputLedger.this) {
+                if (lost != null && load() != null) return LOST_REASON;
+                String digest = memberDigest(survivors);
+                if (first) return keep(key, digest);     // the set this round revealed it over is now known
+                return digest.equals(kept.get(key)) ? null : OTHER_MEMBERS_REASON;
+            }
+        }
+    }
+
+    private String keep(String key, String digest) {
+        LinkedHashMap<String, String> before = kept;
+        kept = new LinkedHashMap<>(before);
+        kept.remove(key);
+        kept.put(key, digest);
+        for (Iterator<String> oldest = kept.keySet().iterator(); kept.size() > MAX_INPUTS; ) {
+            oldest.next();
+            oldest.remove();
+        }
+        if (path == null) return null;
+        try {
+            List<Object> entries = new ArrayList<>();
+            for (Map.Entry<String, String> e : kept.entrySet()) entries.add(Arrays.<Object>asList(e.getKey(), e.getValue()));
+            Map<String, Object> doc = new LinkedHashMap<>();
+            doc.put("inputs", entries);
+            AtomicFile.write(path, Json.canonical(doc), DeviceStateStore.TMP, ".json.part");
+        } catch (IOException | Json.JsonError e) {
+            kept = before;                   // not remembered across a restart: not sent
+            LOG.warning("writing the device's secure inputs " + path + " failed (" + cut(String.valueOf(e.getMessage())) + ")");
+            return "this device could not write down its secure input (" + e.getClass().getSimpleName() + "): it is not sent";
+        }
+        return null;
+    }
+
+    /** Read the kept file (a missing one: nothing kept); lost, and returned: why it cannot be read. */
+    private String load() {
+        try {
+            BasicFileAttributes kind = null;
+            try {      // only a missing file is a fresh device (File.exists() is false for an unreadable folder too)
+                kind = Files.readAttributes(path.toPath(), BasicFileAttributes.class);
+            } catch (NoSuchFileException e) {
+                kept = new LinkedHashMap<>();
+            }
+            if (kind != null) {
+                if (!kind.isRegularFile()) throw new IOException("not a regular file");     // a FIFO would block the open
+                kept = checked(Json.parseHeader(SmallTextFile.read(path, MAX_FILE_BYTES)));
+            }
+        } catch (IOException | Json.JsonError | IllegalArgumentException e) {
+            String why = cut(String.valueOf(e.getMessage()));
+            if (!why.equals(lost))          // the file stays as it is, for the operator: never written over
+                LOG.warning("the device's secure inputs " + path + " are unreadable (" + why
+                        + "): no secure input is sent until the file is repaired or moved aside");
+            lost = why;
+            return why;
+        }
+        lost = null;
+        return null;
+    }
+
+    /** The file's entries: {"inputs": [[key, member digest], ...]}, distinct keys, oldest first. */
+    static LinkedHashMap<String, String> checked(Object doc) {
+        if (!(doc instanceof Map) || ((Map<?, ?>) doc).size() != 1 || !(((Map<?, ?>) doc).get("inputs") instanceof List))
+            throw new IllegalArgumentException("not {\"inputs\": [...]}");
+        LinkedHashMap<String, String> out = new LinkedHashMap<>();
+        for (Object entry : (List<?>) ((Map<?, ?>) doc).get("inputs")) {
+            if (!(entry instanceof List) || ((List<?>) entry).size() != 2 || !isDigest(((List<?>) entry).get(0))
+                    || !isDigest(((List<?>) entry).get(1)) || out.containsKey(((List<?>) entry).get(0)))
+                throw new IllegalArgumentException("an entry that is not [key, member digest]");
+            out.put((String) ((List<?>) entry).get(0), (String) ((List<?>) entry).get(1));
+        }
+        if (out.size() > MAX_INPUTS) throw new IllegalArgumentException(out.size() + " entries, at most " + MAX_INPUTS);
+        return out;
+    }
+
+    private static boolean isDigest(Object value) { return value instanceof String && DIGEST.matcher((String) value).matches(); }
+
+    private static MessageDigest sha256() {
+        try {
+            return MessageDigest.getInstance("SHA-256");
+        } catch (NoSuchAlgorithmException e) {      // every Java platform has it
+            throw new IllegalStateException(e);
+        }
+    }
+
+    private static String hex(byte[] digest) {
+        StringBuilder b = new StringBuilder();
+        for (int i = 0; i < DIGEST_HEX / 2; i++) b.append(String.format("%02x", digest[i] & 0xff));
+        return b.toString();
+    }
+
+    private static String cut(String text) { return text.length() <= 200 ? text : text.substring(0, 200); }
+}
