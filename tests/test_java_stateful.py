@@ -243,25 +243,15 @@ def test_mixed_java_and_python_fleet_runs_a_stateful_job_with_state_kept_on_each
         assert DeviceStateStore(tmp_path / "java-state" / d).load(cfg["job_id"], None) is None, d
 
 
-@pytest.mark.parametrize("kind, change, reason", [
-    ("scaffold.head.secure", {}, None), ("scaffold.head.secure", {"vector_order": ["bias", "weight"]}, None),
-    ("scaffold.head.secure", {"control_clip_norm": 1e-3}, None),
-    ("scaffold.head.secure", {"max_abs_param": 0.01}, "> the round's bound 0.01"),
-    ("scaffold.head.secure", {"control_clip_norm": 0}, "control_clip_norm"),
-    ("scaffold.head.secure", {"dp": {"stddev": 0.1, "scale_bits": 16, "clip_norm": 1.0}}, "dp"),
-    ("ditto.head.secure", {}, None), ("ditto.head.secure", {"update_clip_norm": 0.5}, None),
-    ("ditto.head.secure", {"max_samples": 10}, "exceed the round's bound of 10"),
-    ("ditto.head.secure", {"vector_order": ["weight"]}, "does not name exactly"),
-])
-def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind, change, reason):
-    """scaffold.head.secure / ditto.head.secure: the vector the Java device masks is the Python
-    device's (SecureScaffoldTraining: [n·y | clip(Δc) | n]; SecureFedAvgTraining around ditto.head:
-    [n·ψ_k | n]) within n·HEAD_ATOL on the head and CONTROL_ATOL (scaled by the clip) on Δc, and the
-    state it keeps (c_k, v_k) is the Python device's; tasks beyond the bounds are declined by both."""
+def secure_stateful_case(tmp_path, kind: str, change: dict, clock=None):
+    """A scaffold.head.secure / ditto.head.secure task of device 0 (task.bin, f.feat and h.feat in
+    tmp_path) and the Python device's secure handler over the store py-state (its ``clock``):
+    (plain kind, params, tensors, Z, y, held-out features file or "-", the Python wrapper)."""
+    import time as clocks
+
     from ops_fleet import Features
     from test_java_device import write_features
 
-    from edge_client.agent import TaskDeclined
     from edge_client.state import DeviceStateStore
     from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining, SecureScaffoldTraining
     from protocols.identity import DeviceIdentity
@@ -279,11 +269,34 @@ def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind,
     tensors = {**head, **(control if plain == "scaffold.head" else {})}
     (tmp_path / "task.bin").write_bytes(task_bytes(params, tensors, kind))
     heldout = write_features(tmp_path / "h.feat", *held) if held else "-"
-    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", Z, y), tmp_path / "x.bin", heldout,
-               tmp_path / "java-state")
-    handler = handler_type(Z, y, lambda b, s, w: Features(D), DeviceStateStore(tmp_path / "py-state"), *held)
+    write_features(tmp_path / "f.feat", Z, y)
+    store = DeviceStateStore(tmp_path / "py-state", clock=clock or clocks.time)
+    handler = handler_type(Z, y, lambda b, s, w: Features(D), store, *held)
     wrapper = (SecureScaffoldTraining if plain == "scaffold.head" else SecureFedAvgTraining)(
         DeviceIdentity.generate("d"), bytes(32), handler)
+    return plain, params, tensors, Z, y, heldout, wrapper
+
+
+@pytest.mark.parametrize("kind, change, reason", [
+    ("scaffold.head.secure", {}, None), ("scaffold.head.secure", {"vector_order": ["bias", "weight"]}, None),
+    ("scaffold.head.secure", {"control_clip_norm": 1e-3}, None),
+    ("scaffold.head.secure", {"max_abs_param": 0.01}, "> the round's bound 0.01"),
+    ("scaffold.head.secure", {"control_clip_norm": 0}, "control_clip_norm"),
+    ("scaffold.head.secure", {"dp": {"stddev": 0.1, "scale_bits": 16, "clip_norm": 1.0}}, "dp"),
+    ("ditto.head.secure", {}, None), ("ditto.head.secure", {"update_clip_norm": 0.5}, None),
+    ("ditto.head.secure", {"max_samples": 10}, "exceed the round's bound of 10"),
+    ("ditto.head.secure", {"vector_order": ["weight"]}, "does not name exactly"),
+])
+def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind, change, reason):
+    """scaffold.head.secure / ditto.head.secure: the vector the Java device masks is the Python
+    device's (SecureScaffoldTraining: [n·y | clip(Δc) | n]; SecureFedAvgTraining around ditto.head:
+    [n·ψ_k | n]) within n·HEAD_ATOL on the head and CONTROL_ATOL (scaled by the clip) on Δc, and the
+    state it keeps (c_k, v_k) is the Python device's; tasks beyond the bounds are declined by both."""
+    from edge_client.agent import TaskDeclined
+    from edge_client.state import DeviceStateStore
+
+    plain, params, tensors, Z, y, heldout, wrapper = secure_stateful_case(tmp_path, kind, change)
+    out = java(java_cp, tmp_path / "task.bin", tmp_path / "f.feat", tmp_path / "x.bin", heldout, tmp_path / "java-state")
     if reason is not None:
         assert out.startswith("DECLINED") and reason in out, out
         with pytest.raises(TaskDeclined, match=reason):
@@ -303,6 +316,36 @@ def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind,
     java_state = DeviceStateStore(tmp_path / "java-state").load("sec-1", None)
     py_state = DeviceStateStore(tmp_path / "py-state").load("sec-1", None)
     assert sorted(java_state.arrays) == sorted(py_state.arrays)
+    for k, v in py_state.arrays.items():
+        assert np.abs(java_state.arrays[k] - v).max() <= CONTROL_ATOL, k
+
+
+@pytest.mark.parametrize("kind", ["scaffold.head.secure", "ditto.head.secure"])
+def test_a_secure_stateful_task_sent_again_for_its_live_round_trains_once(java_cp, tmp_path, kind):
+    """The aggregator re-sends a scaffold.head.secure / ditto.head.secure task while its SecAgg
+    round is live, an hour later by the device's clock: the Java device (SecureRounds) finds the
+    duplicate before it trains, as the Python device (SecureUpdate.on_task) does, so each trained
+    once and keeps the state of that one run (c_k / v_k, and its expiry from the first delivery's
+    clock), the Python device's. It used to train the duplicate too (on its one agent thread, the
+    live round's messages waiting) and rewrite the state, moving its expiry an hour on."""
+    from edge_client.state import DeviceStateStore
+
+    now = [1.7e9]
+    plain, params, tensors, _, _, heldout, wrapper = secure_stateful_case(tmp_path, kind, {}, clock=lambda: now[0])
+    out = java(java_cp, "--retask", tmp_path / "task.bin", tmp_path / "f.feat", heldout, tmp_path / "java-state")
+    assert out.split("\n")[:2] == ["START true TRAINED 1", "START false TRAINED 1"], out
+
+    contributions = []
+    computed = wrapper.contribution
+    wrapper.contribution = lambda p, t: contributions.append(1) or computed(p, t)
+    for _ in range(2):                              # the Python device, its clock as the Java device's
+        assert wrapper.on_task("sec-1", 1, params, tensors) == []
+        now[0] += 3600
+    assert len(contributions) == 1 and wrapper.sessions.live(("sec-1", 1, "g1"))
+    java_state = DeviceStateStore(tmp_path / "java-state", clock=lambda: now[0]).load("sec-1", None)
+    py_state = DeviceStateStore(tmp_path / "py-state", clock=lambda: now[0]).load("sec-1", None)
+    assert java_state.round == py_state.round == 1 and sorted(java_state.arrays) == sorted(py_state.arrays)
+    assert java_state.expires_at == pytest.approx(py_state.expires_at, abs=1e-3)
     for k, v in py_state.arrays.items():
         assert np.abs(java_state.arrays[k] - v).max() <= CONTROL_ATOL, k
 

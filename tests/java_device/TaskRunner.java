@@ -8,6 +8,10 @@
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
 //        java TaskRunner --windows <ledger file> <step>...  (one running device's ledger through refusals,
 //          records and the operator's repairs: windowsScript)
+//        java TaskRunner --retask <task.bin> <features> <held-out features or "-"> <state folder>: one device
+//          (SecureRounds over its SecAggSessions) given a scaffold.head.secure or ditto.head.secure task
+//          twice, its state store's clock an hour later the second time; prints "START <opened>
+//          TRAINED <contributions computed so far>" per delivery (retask)
 //        java TaskRunner --batch <cases file> <aggregator public key hex> <device seed hex>: one JVM for
 //          many cases (tests/test_differential_fuzz.py), each line of the file "<task.bin> <features>
 //          <result.bin> [<held-out features>]"; each task's signature is verified under the aggregator's
@@ -94,6 +98,9 @@ public final class TaskRunner {
                 out.append("ORDER ").append(i).append(same ? " ok" : " differs").append('\n');
             }
             return out.toString();
+        }
+        if (args[0].equals("--retask")) {
+            return retask(args);
         }
         if (args[0].equals("--batch")) {
             byte[] aggregatorKey = Envelope.unhex(args[2]);
@@ -210,6 +217,30 @@ public final class TaskRunner {
         folder.deleteOnExit();          // deleted in the reverse order: the file, then its folder
         file.deleteOnExit();
         return new SampleWindows(file, SampleWindows.MIN_DIFFERENCE);
+    }
+
+    /** --retask: a secure stateful task delivered twice to one device while its round is live (the
+     *  aggregator re-sent it): the second is a duplicate and computes nothing (tests/test_java_stateful.py). */
+    static String retask(String[] args) throws Exception {
+        Envelope.Message msg = Envelope.decode(Files.readAllBytes(Paths.get(args[1])));
+        Messages.Task task = Messages.parseTask(msg);
+        FeatureFile data = FeatureFile.read(args[2]);
+        FeatureFile heldOut = args[3].equals("-") ? null : FeatureFile.read(args[3]);
+        double[] now = {1.7e9};
+        DeviceStateStore store = new DeviceStateStore(new java.io.File(args[4]), DeviceStateStore.DEFAULT_BUDGET_BYTES, () -> now[0]);
+        SecureTask training = task.kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND)
+                ? SecureStatefulHeadTask.scaffold(new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store))
+                : SecureStatefulHeadTask.ditto(new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store), zeroNoise());
+        int[] trained = {0};
+        SecureTask counted = (params, tensors) -> { trained[0]++; return training.contribute(params, tensors); };
+        SecureRounds device = new SecureRounds("java0", Identity.fromSeed("java0", new byte[32]), new byte[32],
+                new org.fedfleet.secagg.SecAggSessions("java0", 4), new SecureInputLedger(null));
+        StringBuilder out = new StringBuilder();
+        for (int delivery = 0; delivery < 2; delivery++, now[0] += 3600) {
+            boolean opened = device.start(task.ref.job, task.ref.round, task.kind, task.params, msg.tensors, counted);
+            out.append("START ").append(opened).append(" TRAINED ").append(trained[0]).append('\n');
+        }
+        return out.toString();
     }
 
     /** A secure kind in the batch (args: task, features, result, round config JSON[, held-out

@@ -23,13 +23,11 @@ import java.util.concurrent.atomic.AtomicInteger;
 import java.util.logging.Level;
 import java.util.logging.Logger;
 import org.fedfleet.wire.LogText;
-import org.fedfleet.secagg.ClientSecAgg;
 import org.fedfleet.secagg.SecAggMessage;
 import org.fedfleet.secagg.SecAggSessions;
 import org.fedfleet.wire.Chunker;
 import org.fedfleet.wire.Envelope;
 import org.fedfleet.wire.Envelope.EnvelopeError;
-import org.fedfleet.wire.Json;
 import org.fedfleet.wire.Reassembler;
 import org.fusesource.hawtbuf.UTF8Buffer;
 import org.fusesource.mqtt.client.Callback;
@@ -85,7 +83,7 @@ public final class MqttAgent implements AutoCloseable {
     public final Map<String, Integer> acks = Collections.synchronizedMap(new HashMap<String, Integer>());
     private final CountDownLatch firstConnect = new CountDownLatch(1);
     private final SecAggSessions secagg;
-    private final SecureInputLedger secureInputs;   // one member set per secure input, across rounds
+    private final SecureRounds secureRounds;        // null: no secure kinds
     private final java.util.Set<String> ignoredEnds = new java.util.HashSet<>();   // notices that changed nothing, logged once
     private final java.util.Set<String> skippedFor = new java.util.HashSet<>();    // (job, reason) of skipped or stopped tasks, logged once (at most 64)
 
@@ -99,10 +97,13 @@ public final class MqttAgent implements AutoCloseable {
         this.chunker = new Chunker(options.chunkSize, options.signer);
         this.inbox = new InboxQueue<>("agent-" + deviceId, options.maxQueuedTopicBytes, options.maxQueuedBytes);
         this.secagg = new SecAggSessions(deviceId, 4);
-        this.secureInputs = new SecureInputLedger(options.state == null ? null : new File(options.state.root(), SecureInputLedger.NAME));
         this.reader = reader(options);
         if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
             throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
+        // one member set per secure input, across rounds (SecureInputLedger)
+        this.secureRounds = options.secure.isEmpty() ? null : new SecureRounds(deviceId, (Identity) options.signer,
+                options.aggregatorKey, secagg, new SecureInputLedger(options.state == null ? null
+                        : new File(options.state.root(), SecureInputLedger.NAME)));
         if (options.aggregatorKey == null)
             LOG.warning(deviceId + ": not verifying the aggregator's messages (no aggregator key): development mode only");
         MQTT mqtt = DeviceConnection.settings(broker, deviceId, options.username, options.password);
@@ -334,23 +335,12 @@ public final class MqttAgent implements AutoCloseable {
     }
 
     /** A secure task: its vector becomes this device's input to the group's SecAgg round, whose
-     *  messages then come and go as `secagg` envelopes; the task itself is never acknowledged. The
-     *  round's release guard is the secure-input ledger's for the input's key; an unreadable ledger
-     *  declines the task (edge_client/tasks/secure_update.py on_task). */
+     *  messages then come and go as `secagg` envelopes; the task itself is never acknowledged. A task
+     *  re-sent for a live round is a duplicate, found before any training (SecureRounds). */
     private void startSecure(DeviceSession.StartWork w, SecureTask secure) {
         TaskRef ref = w.task.ref;
         try {
-            SecureTask.Contribution mine = untilRoundOver(w.task, () -> secure.contribute(w.task.params, w.tensors));
-            if (secagg.live(ref.job, ref.round, mine.group)) {       // a re-sent task: its round goes on with the keys it has
-                LOG.info(deviceId + ": task for the live secure round " + ref.job + "/" + ref.round + "/" + mine.group + " again: a duplicate");
-            } else {
-                if (secureInputs.lost() != null && secureInputs.reload() != null)
-                    throw new TaskDeclined(SecureInputLedger.LOST_REASON);
-                Identity id = (Identity) o.signer;
-                secagg.open(ref.job, ref.round, mine.group, new ClientSecAgg(deviceId, id, id.publicKey(), Topics.AGGREGATOR_ID,
-                        o.aggregatorKey, ref.job, ref.round, mine.group, mine.vector, mine.distributedDp,
-                        secureInputs.release(inputKey(w, mine))));
-            }
+            untilRoundOver(w.task, () -> secureRounds.start(ref.job, ref.round, w.task.kind, w.task.params, w.tensors, secure));
         } catch (WorkDeadline.PastDeadline e) {
             stopped(ref, e);
             return;
@@ -364,16 +354,6 @@ public final class MqttAgent implements AutoCloseable {
         }
         tasksDone.incrementAndGet();
         execute(session.onWorkFinished(ref, null, ref.task + ":protocol", false));
-    }
-
-    /** The key naming a secure task's input (SecureInputLedger): the contribution's, else the task's. */
-    private static String inputKey(DeviceSession.StartWork w, SecureTask.Contribution mine) throws TaskDeclined {
-        if (mine.inputKey != null) return mine.inputKey;
-        try {
-            return SecureInputLedger.inputKey(w.task.kind, w.task.params, w.tensors);
-        } catch (Json.JsonError e) {       // params read from JSON are JSON: never here
-            throw new TaskDeclined("the task's params cannot name its input: " + e.getMessage());
-        }
     }
 
     /** A handler's work, until the task's deadline plus the session's grace passes by this device's

@@ -1,0 +1,62 @@
+// A secure task's start on the device (edge_client/tasks/secure_update.py SecureUpdate.on_task):
+// a task re-sent for a (job, round, group) whose SecAgg round is live is a duplicate, found BEFORE
+// the task's contribution is computed: computing it runs the local training, and the stateful
+// secure kinds (SecureStatefulHeadTask: Scaffold's c_k, Ditto's v_k) commit their state as they
+// train, so a duplicate computed first advanced the kept state a second round while the live round
+// (and the aggregator) went on with the first. Otherwise the vector becomes this device's input to
+// a new round, under the secure-input ledger's release guard for the input's key; an unreadable
+// ledger declines the task.
+package org.fedfleet.device;
+
+import java.util.List;
+import java.util.Map;
+import java.util.logging.Logger;
+import org.fedfleet.secagg.ClientSecAgg;
+import org.fedfleet.secagg.SecAggSessions;
+import org.fedfleet.wire.Envelope;
+import org.fedfleet.wire.Json;
+import org.fedfleet.wire.LogText;
+
+public final class SecureRounds {
+    private static final Logger LOG = LogText.oneLineLogger("fedfleet.device.secagg");
+    private final String deviceId;
+    private final Identity identity;
+    private final byte[] aggregatorKey;
+    private final SecAggSessions sessions;
+    private final SecureInputLedger inputs;
+
+    public SecureRounds(String deviceId, Identity identity, byte[] aggregatorKey, SecAggSessions sessions,
+                        SecureInputLedger inputs) {
+        this.deviceId = deviceId; this.identity = identity; this.aggregatorKey = aggregatorKey.clone();
+        this.sessions = sessions; this.inputs = inputs;
+    }
+
+    /** Opens the round of a secure task of kind (job, round, params, tensors) with secure's
+     *  contribution; false where the task is a duplicate of a live round (nothing computed). */
+    public boolean start(String job, long round, String kind, Map<String, Object> params, List<Envelope.Tensor> tensors,
+                         SecureTask secure) throws TaskDeclined {
+        // the group as sent: a live round is only ever opened under a well-formed one, so a malformed
+        // group matches none and is declined by the contribution's own params check
+        Object group = params.get("group");
+        if (group instanceof String && sessions.live(job, round, (String) group)) {
+            LOG.info(deviceId + ": task for the live secure round " + job + "/" + round + "/" + group + " again: a duplicate");
+            return false;
+        }
+        SecureTask.Contribution mine = secure.contribute(params, tensors);
+        if (inputs.lost() != null && inputs.reload() != null) throw new TaskDeclined(SecureInputLedger.LOST_REASON);
+        return sessions.open(job, round, mine.group, new ClientSecAgg(deviceId, identity, identity.publicKey(),
+                Topics.AGGREGATOR_ID, aggregatorKey, job, round, mine.group, mine.vector, mine.distributedDp,
+                inputs.release(inputKey(kind, params, tensors, mine))));
+    }
+
+    /** The key naming a secure task's input (SecureInputLedger): the contribution's, else the task's. */
+    private static String inputKey(String kind, Map<String, Object> params, List<Envelope.Tensor> tensors,
+                                   SecureTask.Contribution mine) throws TaskDeclined {
+        if (mine.inputKey != null) return mine.inputKey;
+        try {
+            return SecureInputLedger.inputKey(kind, params, tensors);
+        } catch (Json.JsonError e) {       // params read from JSON are JSON: never here
+            throw new TaskDeclined("the task's params cannot name its input: " + e.getMessage());
+        }
+    }
+}
