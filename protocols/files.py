@@ -169,10 +169,15 @@ def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    sync_folder(path.parent)    # the rename itself survives a power cut
+
+
+def sync_folder(folder: str | Path) -> None:
+    """fsync ``folder``, so a name just made or renamed in it survives a power cut."""
     try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        dir_fd = os.open(folder, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)    # the rename itself survives a power cut
+            os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
     except OSError as exc:      # a folder that cannot be opened, or a filesystem whose folders refuse

@@ -132,6 +132,7 @@ def test_a_clear_key_of_an_earlier_version_resumes_under_a_new_key_said_once(tmp
 def test_a_key_file_that_is_no_key_is_said_at_start(tmp_path):
     (tmp_path / "keys").mkdir()
     (tmp_path / "keys" / SealingKey.FILE).write_bytes(b"short")
+    (tmp_path / "keys" / SealingKey.FILE).chmod(0o600)
     with pytest.raises(ValueError, match="holds 5 bytes"):
         SealingKey(tmp_path / "keys").check()
 
@@ -146,3 +147,67 @@ def test_a_key_folder_that_is_a_file_is_said_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"keys.*is not a folder"):
         SealingKey(tmp_path / "keys").seal(b"secret", b"ctx")
     assert (tmp_path / "keys").read_text() == "not a folder"
+
+
+KNOWN_KEY = bytes(range(32))
+OTHER_UID = 65534       # nobody's: a user this test's process is not
+
+
+def planted(tmp_path, case):
+    """A key folder ``keys`` as someone else left it before the aggregator's first sampled DP job."""
+    folder = tmp_path / "keys"
+    folder.mkdir(mode=0o700)
+    key = folder / SealingKey.FILE
+    if case == "key file a link to a known key":
+        (tmp_path / "known").write_bytes(KNOWN_KEY)
+        (tmp_path / "known").chmod(0o600)
+        key.symlink_to(tmp_path / "known")
+    elif case == "key file a dangling link":
+        key.symlink_to(tmp_path / "later")
+    elif case.startswith("folder"):
+        if case == "folder of another user":
+            __import__("os").chown(folder, OTHER_UID, -1)
+        else:
+            folder.chmod(0o770 if "group" in case else 0o703)
+    else:
+        key.write_bytes(KNOWN_KEY)
+        key.chmod(0o640 if "group" in case else 0o600)
+        if case == "key file of another user":
+            __import__("os").chown(key, OTHER_UID, -1)
+    return folder
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("key file a link to a known key", "symbolic link"),
+    ("key file a dangling link", "symbolic link"),
+    ("folder writable by group", r"\(mode 0770\) is writable by group or others"),
+    ("folder writable by others", r"\(mode 0703\) is writable by group or others"),
+    ("folder of another user", f"owned by uid {OTHER_UID}"),
+    ("key file open to group", r"\(mode 0640\) is open to group or others"),
+    ("key file of another user", f"owned by uid {OTHER_UID}"),
+])
+def test_a_key_folder_or_file_someone_else_may_write_or_own_is_refused_naming_it(tmp_path, case, reason):
+    """A review's finding: whoever could write the key folder before first use chose the key (a link
+    planted as the key file was followed, a shared folder's or file's mode and owner never looked
+    at), and every draw was then sealed under a key they know. Each is one SealError naming the
+    path, at start and when sealing; nothing is sealed and the planted file is left as it was."""
+    folder = planted(tmp_path, case)
+    named = str(folder) if case.startswith("folder") else str(folder / SealingKey.FILE)
+    for attempt in (lambda: SealingKey(folder).check(), lambda: SealingKey(folder).seal(b"secret", b"ctx")):
+        with pytest.raises(SealError, match=f"{named}.*{reason}"):
+            attempt()
+    if case == "key file a link to a known key":
+        assert (tmp_path / "known").read_bytes() == KNOWN_KEY
+    if case == "key file a dangling link":
+        assert not (tmp_path / "later").exists()
+
+
+def test_a_new_key_folder_is_0700_and_its_key_0600_and_an_existing_key_is_kept(tmp_path):
+    key = SealingKey(tmp_path / "new" / "keys")
+    sealed = key.seal(b"secret", b"ctx")
+    folder_mode = stat.S_IMODE((tmp_path / "new" / "keys").stat().st_mode)
+    file_status = (tmp_path / "new" / "keys" / SealingKey.FILE).lstat()
+    assert (folder_mode, stat.S_IMODE(file_status.st_mode), file_status.st_size) == (0o700, 0o600, 32)
+    assert stat.S_ISREG(file_status.st_mode)
+    assert [p.name for p in (tmp_path / "new" / "keys").iterdir()] == [SealingKey.FILE]   # no temp file left
+    assert SealingKey(tmp_path / "new" / "keys").open(sealed, b"ctx") == b"secret"

@@ -212,7 +212,8 @@ class BrokerSecurity:
         127.0.0.1) and the aggregator account, once. Names given again that the certificate lacks
         get a new certificate under the same CA, for its old names and these; none given, an existing
         folder's certificate stays (its CA key may be kept offline)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # never writable by group or others, whatever the umask: it holds the CA's key and the store's sealing key
+        self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
         self._remove_interrupted_writes()
         owner = self._owner
         if owner is not None:
