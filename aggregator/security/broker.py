@@ -20,7 +20,7 @@ Files in ``directory`` (all written atomically: temp file + rename):
 ACL, with T = ``{root}/v1``::
 
     aggregator              read  T/dev/+/out, T/presence/+   write T/dev/+/in, T/broadcast, T/status,
-                                                               T/jobs/ended
+                                                               T/jobs/ended, T/presence/+ (*)
     aggregator/deployments  read  T/deploy/+/out               write T/deploy/+, T/deploy/+/in
     aggregator/shard<i>     read  T/dev/+/out, T/presence/+   write T/dev/+/in   (i < 64: a shard, --shards)
     device d                write T/dev/d/out, T/presence/d   read  T/dev/d/in, T/broadcast, T/jobs/ended
@@ -32,6 +32,10 @@ Every connection has its own account (``protocols.topics.role_account``), and so
 controller, its shards, a device's agent, its deployment follower and its bundle fetch, each log in as
 themselves, with the same password, and never close each other's connection or share a session. ``/`` is in no device
 id, so no device can be enrolled under another's role account.
+
+(*) only to clear a revoked device's retained presence (an empty retained message): its "offline"
+last will is refused once the reload took its ACL away, and its retained "online" would otherwise
+outlive it and mark a device enrolled later under its id online before that one ever connected.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def password_file_text(hashes_by_user: dict[str, str]) -> str:
 def acl_text(topics: Topics, devices: Iterable[str]) -> str:
     t = topics
     lines = [f"user {AGGREGATOR_ID}",
-             f"topic read {t.all_outboxes}", f"topic read {t.all_presence}",
+             f"topic read {t.all_outboxes}", f"topic readwrite {t.all_presence}",
              f"topic write {t.base}/dev/+/in", f"topic write {t.broadcast}", f"topic readwrite {t.status}",
              f"topic write {t.job_ends}", "",
              f"user {role_account(AGGREGATOR_ID, CONTROLLER_ROLE)}",

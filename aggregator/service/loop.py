@@ -264,6 +264,8 @@ class AggregatorService(OperatorActions):
         device = self.topics.device_of(topic)
         if device is None:
             return self._reject("?", "bad topic", topic[:80])
+        if not payload and topic == self.topics.presence(device):
+            return              # a retained presence cleared (OperatorActions._clear_retained_presence): no message
         if device in self.fleet.revoked:
             return self._reject(device, "revoked device")
         if topic.endswith("/out"):

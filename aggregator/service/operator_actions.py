@@ -20,13 +20,19 @@ class OperatorActions:
     ``active``, ``eval_set``, ``artifacts``, ``job_ends``) and hooks (``_device_lost``, ``_job_broken``, ``_update_live``) it uses."""
 
     def enroll(self, device_id: str, public_key: bytes | None = None) -> DeviceCredentials:
+        was_revoked = device_id in self.fleet.revoked
+        if was_revoked:
+            # a presence retained under this id is the revoked device's (one an earlier version left,
+            # or a revocation whose clearing never reached the broker): cleared before the new account
+            # exists, never read as the new device's
+            self._clear_retained_presence(device_id)
         with self._admission():
             creds = self.fleet.enroll(device_id, public_key)
             if self.shards is not None:         # the shards hold its chunks and verify with its key at once
                 self.shards.admission_changed(device_id, True)
                 if self.settings.require_signatures:
                     self.shards.key_changed(device_id, bytes.fromhex(creds.public_key))
-        if device_id not in self.fleet.online:
+        if device_id not in self.fleet.online and not was_revoked:
             # its presence may have been forgotten with the strangers (Fleet.MAX_STRANGERS) while it
             # stayed connected: its retained presence, read again, makes it eligible now
             self.link.fetch_retained(self.topics.presence(device_id))
@@ -42,7 +48,16 @@ class OperatorActions:
                 if self.settings.require_signatures:
                     self.shards.key_changed(device_id, None)
         self._device_lost(device_id)
+        self._clear_retained_presence(device_id)
         return warning
+
+    def _clear_retained_presence(self, device_id: str) -> None:
+        """Remove the device's retained presence from the broker (an empty retained message): its
+        "offline" last will is refused once the reload took its ACL away, so its retained "online"
+        stayed, and a device enrolled later under its id was marked online, read back at its
+        enrolment, before it ever connected. Its retained deployment assignment stays: the
+        deployment controller's record of what each id was sent (``DeploymentStore``) counts on it."""
+        self.link.publish(self.topics.presence(device_id), b"", retain=True)
 
     def set_fleet_mode(self, mode: str) -> str:
         with self._admission():
