@@ -29,11 +29,10 @@ import urllib.request
 from pathlib import Path
 
 from protocols.command_help import HelpFormatter
-from protocols.files import write_private_file
 from protocols.messages import MAX_TAGS, TAG_PATTERN
 from protocols.regular_file import read_regular_file
 
-from . import admin_deployments
+from . import admin_deployments, admin_enroll
 from .admin_ids import refused_id
 from .errors import UserError, load_json_file
 from .terminal_text import literal_line, one_line, terminal_safe
@@ -282,6 +281,7 @@ def _device(args, client):
     if args.public_key:
         body["public_key"] = args.public_key
     tags = _tags(args.tags) if args.tags is not None else None     # checked before anything is enrolled
+    admin_enroll.check_credentials_target(args.out)                # so is where its credentials go
     creds = client.post("/api/devices", body)
     text = f"enrolled {args.device_id} (MQTT user {creds['mqtt_username']})"
     if tags is not None:
@@ -294,7 +294,7 @@ def _device(args, client):
     if creds.get("warning"):
         text += f"\nwarning: {creds['warning']}"
     if args.out:
-        write_private_file(args.out, json.dumps(creds, indent=1).encode())     # holds secrets
+        admin_enroll.write_credentials(args.out, creds, args.device_id)     # holds secrets
         text += f"; credentials written to {args.out} (shown once, keep them safe)"
     else:
         text += "\n" + json.dumps(creds, indent=1)

@@ -138,13 +138,26 @@ def check_sha256(data: bytes, expected: str, what: str) -> None:
 
 
 def write_private_file(path: str | Path, data: bytes) -> None:
-    """Write ``data`` (a private key, credentials) readable by its owner only, from the first byte:
-    created 0600, and an existing file (which ``O_CREAT``'s mode leaves as it was) made 0600 before
-    anything is written into it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(data)
+    """Write ``data`` (a private key, credentials) readable by its owner only, from the first byte: a
+    0600 temp file beside ``path`` renamed over it (``write_atomic``), so a symbolic link planted at
+    ``path`` is replaced, never followed (its target was overwritten with the secret before), and
+    an existing file is replaced whole."""
+    write_atomic(path, data, mode=0o600)
+
+
+def check_new_file_target(path: str | Path) -> None:
+    """OSError naming ``path`` unless a file can be written there now: its folder exists and takes
+    a new file (a temp file made and removed), and ``path`` is not a folder. For a caller that
+    must know before it makes what only it can write (an enrolment's one-time credentials)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror} (its folder {path.parent})", str(path)) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, *, mode: int = 0o600,
