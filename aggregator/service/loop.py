@@ -1,10 +1,10 @@
 """The aggregator process as a thin I/O loop: receive, route, send, tick.
 
-Threading: paho's network thread only posts ``(topic, payload)`` to the service's
-:class:`~protocols.message_loop.MessageLoop`; one service thread (the caller of :meth:`run`) does
-everything else, so job state has a single writer and needs no locks. The admin API (another
-thread) reads the store and the ``live`` snapshot, and runs every mutation (enrol, revoke,
-create, pause, ...) on the service thread through :meth:`AggregatorService.call`.
+Threading: paho's network thread, a shard's reader (receipts, refusals, forwarded device messages:
+``pool.py``), the ingest workers and the store's writer only post items (``_dispatch``) to the
+service's :class:`~protocols.message_loop.MessageLoop`; one service thread (the caller of :meth:`run`)
+does everything else, so job state has a single writer. The admin API (another thread) reads the
+store and ``live``, and runs every change (enrol, revoke, create, ...) there through :meth:`call`.
 
 Every inbound message is checked before it can touch state: revoked sender, envelope structure and
 size, signature (when identities are required), sender == the device named by the topic, device
@@ -109,7 +109,6 @@ class AggregatorService(OperatorActions):
         self.stats = ServiceStats()             # messages that belong to no job (bad topic, malformed, ...)
         self._device_bytes: dict[str, int] = {}  # bytes of a device's message being reassembled (_tick: expired)
         self._expired_at = 0.0
-        # inbound: ("mqtt", topic, payload), a shard's "receipt" and "refused" (pool.py), ("validated", ...), ("stored",), ...
         self.loop = MessageLoop(self._dispatch, self._tick, settings.tick_s, "aggregator", self._refused, settings.inbound_bound)
         self.live: dict = {}                     # snapshot for the admin API, replaced atomically
         self._live_pacing = reporting.Pacing()
@@ -119,7 +118,6 @@ class AggregatorService(OperatorActions):
                              on_connect=lambda: self.loop.post(("connected",)))
         if shards is not None:
             self._tell_shards_the_fleet(keys=settings.require_signatures)      # before they read anything
-            # a shard's forward is a device's message; its receipts and refusals are its own items
             shards.start(lambda item: self.loop.post(("mqtt", *item[1:]) if item[0] == "forward" else item),
                          settings.shard_start_timeout_s)
         # large results are validated in these processes (service/ingest.py), stored on the writer's thread

@@ -35,10 +35,8 @@ public final class SecureRounds {
      *  contribution; false where the task is a duplicate of a live round (nothing computed). */
     public boolean start(String job, long round, String kind, Map<String, Object> params, List<Envelope.Tensor> tensors,
                          SecureTask secure) throws TaskDeclined {
-        // the group as sent: a live round is only ever opened under a well-formed one, so a malformed
-        // group matches none and is declined by the contribution's own params check
-        Object group = params.get("group");
-        if (group instanceof String && sessions.live(job, round, (String) group)) {
+        String group = SecureUpdateRound.namedGroup(params);
+        if (group != null && sessions.live(job, round, group)) {
             LOG.info(deviceId + ": task for the live secure round " + job + "/" + round + "/" + group + " again: a duplicate");
             return false;
         }

@@ -44,6 +44,13 @@ final class SecureUpdateRound {
         return group;
     }
 
+    /** The group a task names as sent, or null where it names none (a live round is only ever opened
+     *  under a well-formed group, so a malformed one matches none and is declined by the kind's check). */
+    static String namedGroup(Map<String, Object> p) {
+        Object group = p.get("group");
+        return group instanceof String ? (String) group : null;
+    }
+
     private static List<String> vectorOrder(Object v, String kind) throws TaskDeclined {
         String bad = "bad " + kind + " params: vector_order must name distinct tensors, got " + v;
         if (!(v instanceof List) || ((List<?>) v).isEmpty()) throw new TaskDeclined(bad);
