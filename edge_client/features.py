@@ -11,7 +11,8 @@ every round (Fed3R statistics, OLL, evaluation), so :meth:`FeatureExtractor.extr
 them. The cache key covers the model (``cache_key``: backbone, weights digest, runtime), the
 preprocessing (image size, mean, std) and the exact images (dtype, shape and bytes). Files are
 written to a temporary name and renamed, so a crash or a concurrent writer never leaves a
-half-written file under the final name; an unreadable cache file is treated as a miss. A hit
+half-written file under the final name; an unreadable cache file is treated as a miss, and a cache
+that cannot be written leaves the features uncached (never fails the extraction). A hit
 touches its file, so a disk budget on the folder (``edge_client/disk_budget.py``, the device's
 ``--feature-cache-mb``) removes the files least recently used first.
 """
@@ -19,6 +20,7 @@ touches its file, so a disk budget on the folder (``edge_client/disk_budget.py``
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import pathlib
@@ -32,8 +34,11 @@ import numpy as np
 from edge_client.disk_budget import touch
 from edge_client.preprocess import to_model_input, validate_images
 from protocols.files import read_npy_header
+from protocols.regular_file import open_regular
 
 __all__ = ["FeatureExtractor"]
+
+log = logging.getLogger("fedfleet.device")
 
 MAX_BATCH_PIXELS = 64 * 224 * 224       # 64 images at the backbones' usual 224 px
 
@@ -176,31 +181,42 @@ class FeatureExtractor:
         return self.cache_dir / f"features-{digest.hexdigest()}.npy"
 
     def _load_cached(self, path: pathlib.Path, count: int) -> np.ndarray | None:
+        """The cached (count, d) float32 features at ``path``, or None: what is there is judged by its
+        header and size before any array is made (a header declaring 2^40 rows allocated them: a
+        MemoryError failed every extraction of these images), and only a regular file is opened (a
+        FIFO at the name waited for a writer for ever)."""
+        expected_dim = self._feature_dim
         try:
-            with open(path, "rb") as f:             # the header under the lock, the data outside it
+            with open_regular(path) as f:           # the header under the lock, the data outside it
                 shape, fortran_order, dtype = read_npy_header(f)
-                if fortran_order or dtype.hasobject:
+                if (fortran_order or dtype != np.dtype("<f4") or len(shape) != 2 or shape[0] != count
+                        or (expected_dim is not None and shape[1] != expected_dim)
+                        or os.fstat(f.fileno()).st_size - f.tell() != math.prod(shape) * dtype.itemsize):
                     return None
                 features = np.fromfile(f, dtype=dtype, count=math.prod(shape)).reshape(shape)
-        except FileNotFoundError:
-            return None
         except (OSError, ValueError, EOFError):
-            return None  # corrupt or truncated: recompute and overwrite
-        expected_dim = self._feature_dim
-        if (features.dtype != np.float32 or features.ndim != 2 or features.shape[0] != count
-                or (expected_dim is not None and features.shape[1] != expected_dim)):
-            return None
+            return None  # gone, not a regular file, corrupt or truncated: recompute and overwrite
         touch(path)         # used: the last a disk budget on the cache folder removes (disk_budget.py)
         return features
 
     def _store(self, path: pathlib.Path, features: np.ndarray) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = tempfile.NamedTemporaryFile(
-            dir=path.parent, prefix=path.stem + ".", suffix=".tmp", delete=False)
+        """Keep ``features`` under ``path``, or leave them uncached: the cache only saves work, and a
+        folder it cannot write (a full disk, read-only, a folder at the file's name) failed the
+        extraction whose features were already computed, and every later one of those images."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = tempfile.NamedTemporaryFile(
+                dir=path.parent, prefix=path.stem + ".", suffix=".tmp", delete=False)
+        except OSError as exc:
+            log.warning("feature cache: cannot write in %s (%s); features not cached", path.parent, exc)
+            return
         try:
             with handle:    # no fsync (a disk flush per emulated device): a cache file torn by a
                 np.save(handle, features, allow_pickle=False)    # crash fails to load and is recomputed
             os.replace(handle.name, path)
+        except OSError as exc:
+            pathlib.Path(handle.name).unlink(missing_ok=True)
+            log.warning("feature cache: cannot write %s (%s); features not cached", path.name, exc)
         except BaseException:
             pathlib.Path(handle.name).unlink(missing_ok=True)
             raise
