@@ -69,10 +69,11 @@ def _resized(images: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:
 def image_styles(images: np.ndarray, b: int = 1, size: tuple[int, int] | None = None,
                  batch: int = 256) -> np.ndarray:
     """Per-image styles, float64 (N, 3, 2b+1, 2b+1); at most ``batch`` images and
-    ``MAX_STYLE_BATCH_PIXELS`` pixels are transformed at once."""
+    ``MAX_STYLE_BATCH_PIXELS`` pixels (as given and as resized) are transformed at once."""
     images, b = _check(images, b, size)
     H, W = size if size is not None else images.shape[1:3]
-    batch = max(1, min(batch, MAX_STYLE_BATCH_PIXELS // (H * W)))
+    # the pixels before the resize count too: a batch is made float64 at the images' own size
+    batch = max(1, min(batch, MAX_STYLE_BATCH_PIXELS // max(H * W, images.shape[1] * images.shape[2])))
     out = []
     for start in range(0, len(images), batch):
         x = _resized(images[start:start + batch], size)
