@@ -4,7 +4,9 @@ Class ids are positions in the class list: the sorted subfolder names by default
 mapping is the same on every device that holds the same folder names, or an explicit list
 the caller gives (the fleet's shared label space, where a device may lack some classes).
 Within a class, files are read in sorted name order so the returned arrays are
-deterministic. Every image is converted to 8-bit RGB (grayscale replicated, alpha dropped).
+deterministic. Every image is converted to 8-bit RGB (grayscale replicated, alpha dropped,
+16-bit grayscale to its high byte), turned upright as its EXIF orientation says. A file is decoded
+only as the format its suffix names, and only if its header declares at most ``MAX_IMAGE_PIXELS``.
 
 Decoding uses Pillow, imported on first use so that devices which only read IDX data do
 not need it.
@@ -16,7 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".ppm", ".pgm"})
+# The one format each suffix is decoded as: Image.open alone tries every format Pillow knows, so a
+# ".png" holding PostScript was handed to Ghostscript, and TIFF, ICO, PSD, ... decoders ran on data
+# that needs none of them.
+FORMATS_BY_SUFFIX = {".png": ("PNG",), ".jpg": ("JPEG",), ".jpeg": ("JPEG",), ".ppm": ("PPM",), ".pgm": ("PPM",)}
+IMAGE_SUFFIXES = frozenset(FORMATS_BY_SUFFIX)
+# The most pixels one image may have, judged from its header before it is decoded (about 150 MB as
+# 8-bit RGB; a 48 MP photo fits). Pillow's own bound (Image.MAX_IMAGE_PIXELS) only warns below 179 M
+# pixels (0.7 GB as RGBA), and is a process-wide setting any library may lift.
+MAX_IMAGE_PIXELS = 50_000_000
 
 
 def _import_pillow():
@@ -59,9 +69,16 @@ def _image_files(class_dir: Path) -> list[Path]:
 
 
 def _decode_rgb(Image, path: Path, size_hw: tuple[int, int] | None) -> np.ndarray:
+    from PIL import ImageOps
+
     try:
-        with Image.open(path) as image:
-            rgb = image.convert("RGB")
+        with Image.open(path, formats=FORMATS_BY_SUFFIX[path.suffix.lower()]) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"{width}x{height} is more than the {MAX_IMAGE_PIXELS:,} pixels an image may have")
+            # as it was taken: a camera stores a portrait photo landscape, with an EXIF orientation
+            ImageOps.exif_transpose(image, in_place=True)
+            rgb = _eight_bit_rgb(Image, image)
             if size_hw is not None and rgb.size != (size_hw[1], size_hw[0]):
                 # Pillow's bilinear resize widens its kernel when shrinking, i.e. it antialiases.
                 rgb = rgb.resize((size_hw[1], size_hw[0]), Image.Resampling.BILINEAR)
@@ -69,6 +86,15 @@ def _decode_rgb(Image, path: Path, size_hw: tuple[int, int] | None) -> np.ndarra
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         # Pillow's errors for corrupt, truncated, or absurdly large files.
         raise ValueError(f"cannot decode image {path}: {exc}") from exc
+
+
+def _eight_bit_rgb(Image, image):
+    """``image`` as 8-bit RGB. 16-bit grayscale (PNG's I;16, PGM's I: 0..65535) keeps its high byte:
+    convert("RGB") clipped every value above 255 to white."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        gray = np.clip(np.asarray(image), 0, 65535).astype(np.uint16) >> 8
+        return Image.fromarray(gray.astype(np.uint8), "L").convert("RGB")
+    return image.convert("RGB")
 
 
 def load_image_folder(
