@@ -350,6 +350,31 @@ def test_a_secure_stateful_task_sent_again_for_its_live_round_trains_once(java_c
         assert np.abs(java_state.arrays[k] - v).max() <= CONTROL_ATOL, k
 
 
+def test_a_secure_scaffold_task_with_the_ledger_unreadable_is_declined_before_it_trains(java_cp, tmp_path):
+    """The Java device's secure-input ledger file is unreadable: a scaffold.head.secure task of a
+    later round is declined (LOST_REASON) before ScaffoldTask trains, as the Python device declines
+    it (tests/test_secure_stateful.py), and its store keeps the sent round's c_k byte for byte (a
+    copy of the Python device's files after that round). SecureRounds used to train first, the
+    store saving the next round's c_k, and decline only then."""
+    import shutil
+
+    from edge_client.secure_inputs import LOST_REASON, SECURE_INPUTS_FILE
+
+    _, params, tensors, _, _, heldout, wrapper = secure_stateful_case(tmp_path, "scaffold.head.secure", {},
+                                                                     clock=lambda: 1.7e9)
+    assert wrapper.on_task("sec-1", 1, params, tensors) == []          # a sent round: its c_k is kept
+    shutil.copytree(tmp_path / "py-state", tmp_path / "java-state")
+    kept = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "java-state").rglob("*") if p.is_file()}
+    assert kept
+    ledger = tmp_path / SECURE_INPUTS_FILE
+    ledger.write_text('{"inputs": [["a", "b"]]}')                      # an entry that is not [key, digest]
+    later = {**params, "state": {**STATE, "round": 2}}
+    (tmp_path / "task.bin").write_bytes(task_bytes(later, tensors, "scaffold.head.secure"))
+    out = java(java_cp, "--retask", tmp_path / "task.bin", tmp_path / "f.feat", heldout, tmp_path / "java-state", ledger)
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "java-state").rglob("*") if p.is_file()} == kept
+    assert out.split("\n")[:2] == [f"DECLINED TRAINED 0 {LOST_REASON}"] * 2, out
+
+
 @pytest.mark.parametrize("kind", ["scaffold.head", "ditto.head"])
 def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, broker, tmp_path, kind):
     """scaffold-secure / ditto-secure over mosquitto: three Java devices (one JVM, enrolled, with

@@ -23,10 +23,12 @@ from aggregator.jobs.robustness_fields import PLAIN_MEAN
 from aggregator.jobs.scaffold import ScaffoldConfig, ScaffoldJob
 from aggregator.jobs.secure_rounds import LateProtocolMessage
 from edge_client.agent import TaskDeclined
+from edge_client.secure_inputs import LOST_REASON, SECURE_INPUTS_FILE, SecureInputLedger
 from edge_client.state import DeviceStateStore
 from edge_client.tasks.ditto_training import DittoTrainingTask
 from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
 from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining, SecureScaffoldTraining
+from edge_client.tasks.secure_update import SecAggSessions
 from ops_fleet import SecureKeys
 from protocols.envelope import EnvelopeError
 from protocols.payloads.ditto import KIND as DITTO_KIND
@@ -183,6 +185,32 @@ def test_a_device_declining_after_it_trained_puts_its_state_back(tmp_path, keys,
         assert kept.arrays[name].tobytes() == value.tobytes(), name
     client.on_task("sec", job.round + 1, {**later, "max_abs_param": params["max_abs_param"]}, tensors)
     assert store.load(job_id, None).round == later["state"]["round"]     # a sent round still moves it
+
+
+@pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
+def test_a_device_whose_secure_input_ledger_is_unreadable_declines_before_it_trains(tmp_path, keys, kind):
+    """A device restarted with its secure-input ledger unreadable declines every secure task
+    (LOST_REASON) before its plain handler trains: the c_k / v_k it keeps stay those of the round it
+    did send, byte for byte. It used to train first, the handler saving the next round's state,
+    and decline only then, its state advanced for a round it never contributed to."""
+    job = secure_job(kind, tmp_path, keys)
+    job.next_participants(set(DEVICES))
+    params, tensors = job.task_for("dev0")
+    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    store, job_id = client.training.store, job.config.job_id
+    client.on_task("sec", job.round, params, tensors)          # a sent round: its state is kept
+    sent = store.load(job_id, None)
+    ledger = tmp_path / SECURE_INPUTS_FILE
+    ledger.write_text('{"inputs": [["a", "b"]]}')              # damaged while the device was down
+    client.sessions = SecAggSessions("dev0", inputs=SecureInputLedger(ledger))
+    later = {**params, "state": {**params["state"], "round": params["state"]["round"] + 1}}
+    with pytest.raises(TaskDeclined) as declined:
+        client.on_task("sec", job.round + 1, later, tensors)
+    assert str(declined.value) == LOST_REASON
+    kept = store.load(job_id, None)
+    assert (kept.run, kept.round, sorted(kept.arrays)) == (sent.run, sent.round, sorted(sent.arrays))
+    for name, value in sent.arrays.items():
+        assert kept.arrays[name].tobytes() == value.tobytes(), name
 
 
 @pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])

@@ -168,9 +168,12 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
         if self.sessions.live(key):             # a re-sent task: its round goes on with the keys it has
             log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
             return []
-        vector, named = self.contribution(params, tensors)
+        # before the contribution: computing it trains, and the stateful kinds (secure Scaffold's c_k,
+        # Ditto's v_k) keep their new state as they train; a task declined afterwards would leave it
+        # advanced for a round this device never joined
         if self.sessions.inputs.lost is not None and self.sessions.inputs.reload() is not None:
             raise TaskDeclined(LOST_REASON)
+        vector, named = self.contribution(params, tensors)
         try:
             # a distributed-DP share is scaled for the 64-bit ring (distributed_dp.py): no other ring
             client = ClientSecAgg(self.identity, "aggregator", self.aggregator_public_key, job_id=job,

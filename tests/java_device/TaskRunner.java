@@ -8,10 +8,11 @@
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
 //        java TaskRunner --windows <ledger file> <step>...  (one running device's ledger through refusals,
 //          records and the operator's repairs: windowsScript)
-//        java TaskRunner --retask <task.bin> <features> <held-out features or "-"> <state folder>: one device
-//          (SecureRounds over its SecAggSessions) given a scaffold.head.secure or ditto.head.secure task
-//          twice, its state store's clock an hour later the second time; prints "START <opened>
-//          TRAINED <contributions computed so far>" per delivery (retask)
+//        java TaskRunner --retask <task.bin> <features> <held-out features or "-"> <state folder> [<ledger file>]:
+//          one device (SecureRounds over its SecAggSessions, its secure-input ledger kept in the file,
+//          default in memory) given a scaffold.head.secure or ditto.head.secure task twice, its state
+//          store's clock an hour later the second time; prints "START <opened> TRAINED <contributions
+//          computed so far>" per delivery, or "DECLINED TRAINED <so far> <reason>" (retask)
 //        java TaskRunner --batch <cases file> <aggregator public key hex> <device seed hex>: one JVM for
 //          many cases (tests/test_differential_fuzz.py), each line of the file "<task.bin> <features>
 //          <result.bin> [<held-out features>]"; each task's signature is verified under the aggregator's
@@ -220,7 +221,8 @@ public final class TaskRunner {
     }
 
     /** --retask: a secure stateful task delivered twice to one device while its round is live (the
-     *  aggregator re-sent it): the second is a duplicate and computes nothing (tests/test_java_stateful.py). */
+     *  aggregator re-sent it): the second is a duplicate and computes nothing; with args[5], the
+     *  device's ledger file (an unreadable one declines both) (tests/test_java_stateful.py). */
     static String retask(String[] args) throws Exception {
         Envelope.Message msg = Envelope.decode(Files.readAllBytes(Paths.get(args[1])));
         Messages.Task task = Messages.parseTask(msg);
@@ -233,12 +235,17 @@ public final class TaskRunner {
                 : SecureStatefulHeadTask.ditto(new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store), zeroNoise());
         int[] trained = {0};
         SecureTask counted = (params, tensors) -> { trained[0]++; return training.contribute(params, tensors); };
+        SecureInputLedger ledger = new SecureInputLedger(args.length > 5 ? new java.io.File(args[5]) : null);
         SecureRounds device = new SecureRounds("java0", Identity.fromSeed("java0", new byte[32]), new byte[32],
-                new org.fedfleet.secagg.SecAggSessions("java0", 4), new SecureInputLedger(null));
+                new org.fedfleet.secagg.SecAggSessions("java0", 4), ledger);
         StringBuilder out = new StringBuilder();
         for (int delivery = 0; delivery < 2; delivery++, now[0] += 3600) {
-            boolean opened = device.start(task.ref.job, task.ref.round, task.kind, task.params, msg.tensors, counted);
-            out.append("START ").append(opened).append(" TRAINED ").append(trained[0]).append('\n');
+            try {
+                boolean opened = device.start(task.ref.job, task.ref.round, task.kind, task.params, msg.tensors, counted);
+                out.append("START ").append(opened).append(" TRAINED ").append(trained[0]).append('\n');
+            } catch (TaskDeclined declined) {
+                out.append("DECLINED TRAINED ").append(trained[0]).append(' ').append(declined.getMessage()).append('\n');
+            }
         }
         return out.toString();
     }

@@ -5,7 +5,7 @@
 // train, so a duplicate computed first advanced the kept state a second round while the live round
 // (and the aggregator) went on with the first. Otherwise the vector becomes this device's input to
 // a new round, under the secure-input ledger's release guard for the input's key; an unreadable
-// ledger declines the task.
+// ledger declines the task, also found before the contribution is computed (for the same reason).
 package org.fedfleet.device;
 
 import java.util.List;
@@ -40,8 +40,10 @@ public final class SecureRounds {
             LOG.info(deviceId + ": task for the live secure round " + job + "/" + round + "/" + group + " again: a duplicate");
             return false;
         }
-        SecureTask.Contribution mine = secure.contribute(params, tensors);
+        // before the contribution: computing it trains, and the stateful kinds keep their new state as
+        // they train (a task declined afterwards would leave it advanced for a round never joined)
         if (inputs.lost() != null && inputs.reload() != null) throw new TaskDeclined(SecureInputLedger.LOST_REASON);
+        SecureTask.Contribution mine = secure.contribute(params, tensors);
         return sessions.open(job, round, mine.group, new ClientSecAgg(deviceId, identity, identity.publicKey(),
                 Topics.AGGREGATOR_ID, aggregatorKey, job, round, mine.group, mine.vector, mine.distributedDp,
                 inputs.release(inputKey(kind, params, tensors, mine))));
