@@ -16,6 +16,7 @@ from protocols.mqtt_link import BrokerConfig
 from protocols.files import read_npz
 from protocols.regular_file import OPTION_FILE_BYTES, read_regular_file
 from protocols.ray_cluster import check_reachable as check_ray_reachable
+from protocols.topics import check_device_id
 
 from aggregator.api.server import (add_ops_arguments, checked_sealing_key, checked_state_folder, dashboard_origins,
                                    read_identity, serve_with_ops)
@@ -106,6 +107,22 @@ def forks_workers(args, settings: ServiceSettings) -> bool:
                 or cpu_mask_expansion_plan()[0] == "processes")
 
 
+def read_enrolled(path: Path) -> set[str]:
+    """The ``--enrolled`` allow-list: one device id a line (blank lines skipped), each checked as
+    every other way in checks a device id (``protocols.topics.check_device_id``): an id such as
+    ``x/#`` would otherwise be stored and reach topics and ACLs. Split at newlines only, so no
+    other line-break character can cut an invalid id into valid-looking pieces."""
+    text = read_regular_file(path, "--enrolled", OPTION_FILE_BYTES).decode("utf-8")
+    enrolled = set()
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                enrolled.add(check_device_id(line.strip()))
+            except ValueError as exc:
+                raise ValueError(f"--enrolled '{path}' line {number}: {exc}") from None
+    return enrolled
+
+
 def serve(args) -> int:
     CrashPoints.from_env()          # a bad FEDFLEET_CRASH_AT (crash tests) is one line before anything starts
     if args.config is None and args.state is None:
@@ -130,11 +147,8 @@ def serve(args) -> int:
         start_fork_server_here()
     if args.ray:
         check_ray_reachable(args.ray)                                     # ray.init alone retries for minutes
+    enrolled = read_enrolled(args.enrolled) if args.enrolled else None      # a bad id: before the broker and the store
     broker.check_reachable()
-    enrolled = None
-    if args.enrolled:
-        text = read_regular_file(args.enrolled, "--enrolled", OPTION_FILE_BYTES).decode("utf-8")
-        enrolled = {line.strip() for line in text.splitlines() if line.strip()}
     # before build_job, which imports torch (~2 CPU-s): a bad --identity file is refused at once
     identity = read_identity(args.identity) if args.identity else None
     shelf = None

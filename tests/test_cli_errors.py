@@ -389,6 +389,25 @@ def test_an_option_file_of_aggregator_serve_is_read_bounded(broker, tmp_path, op
     assert len(lines) == 1 and f"{option} '{path}' is not a regular file" in lines[0], proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("bad_id", ["x/#", "cam\x0b1", "cam 1", "aggregator", "c" * 65])
+def test_aggregator_serve_refuses_an_enrolled_id_no_other_way_in_takes(broker, tmp_path, capsys, bad_id):
+    """A review's finding: the ids of `aggregator serve --enrolled` went to the service and its store
+    unchecked, where every other way a device id comes in (enrolment, the broker's accounts, a
+    cohort) refuses one outside protocols.topics.DEVICE_ID_RE, or the aggregator's own. One line
+    naming the file's line and the id, exit 2, no state file made."""
+    from aggregator.cli import main as aggregator_main
+
+    (tmp_path / "job.json").write_text(json.dumps({"num_classes": 10}))
+    (tmp_path / "enrolled.txt").write_text(f"cam0\n\n{bad_id}\ncam2\n")
+    rc = aggregator_main(["serve", "--out", str(tmp_path / "o"), "--config", str(tmp_path / "job.json"),
+                          "--broker", broker.url, "--state", str(tmp_path / "agg.db"),
+                          "--enrolled", str(tmp_path / "enrolled.txt"), "--timeout", "3"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "WARNING" not in line]
+    assert rc == 2 and len(lines) == 1, lines
+    assert f"--enrolled '{tmp_path / 'enrolled.txt'}' line 3" in lines[0] and f"invalid device id {bad_id!r}" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("agg")) == []
+
+
 @pytest.mark.parametrize("mistake", ["identity", "token"])
 def test_aggregator_serve_creates_no_state_before_refusing_an_option(broker, tmp_path, capsys, mistake, monkeypatch):
     """A review's finding: a bad --identity PEM, or --api with no token, was refused in one line
