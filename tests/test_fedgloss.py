@@ -186,6 +186,36 @@ def test_sigma_stays_the_mean_of_the_devices_duals_whatever_their_age(tmp_path):
     assert np.abs(job.strategy.dual["weight"]).sum() > 0
 
 
+def test_an_update_the_direction_screen_leaves_out_is_not_counted_in_participation(tmp_path):
+    """A review's finding: σ's step took p = updates/K over every accepted update, the ones the
+    direction screen left out of the mean too (Scaffold's c step leaves them out). A round of five
+    where dev0 sends a sign-flipped head: numpy screens it out, and the job's step is FedGloSS on
+    the mean of the other four with p = 4/K (it was 5/K)."""
+    handlers = {f"dev{i}": device(i, tmp_path) for i in range(5)}
+    job = make_job(clients_per_round=5, rounds=1, total_devices=8, server_lr=0.7, direction_screen=True)
+    w = {k: job.params[k].astype(np.float64) for k in HEAD}
+    start = {k: job.round_start()[k].astype(np.float64) for k in HEAD}       # w̃, what devices trained from
+
+    def flip(d, out):
+        return out if d != "dev0" else {**out, **{k: (start[k] - 10 * (out[k] - start[k])).astype(np.float32)
+                                                  for k in HEAD}}
+
+    sent = run_round(job, handlers, KIND, tamper=flip)
+    trained = {d: {k: out[k].astype(np.float64) for k in HEAD} for d, (_, _, _, out) in sent.items()}
+    deltas = {d: np.concatenate([(t[k] - start[k]).ravel() for k in HEAD]) for d, t in trained.items()}
+    median = np.median(np.stack(list(deltas.values())), axis=0)
+    kept = sorted(d for d, v in deltas.items() if v @ median > 0)
+    assert kept == ["dev1", "dev2", "dev3", "dev4"]
+    n = {d: sent[d][2]["n"] for d in kept}
+    mean = {k: sum(n[d] * trained[d][k] for d in kept) / sum(n.values()) for k in HEAD}
+    p, beta, eta = len(kept) / 8, 2.0, 0.7
+    sigma = {k: -p * (mean[k] - start[k]) / beta for k in HEAD}
+    for k in HEAD:
+        np.testing.assert_allclose(job.strategy.dual[k], sigma[k], rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(job.params[k], w[k] - eta * (start[k] - mean[k]) - beta * sigma[k],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_job_rounds_follow_alg1_and_devices_keep_their_duals(tmp_path):
     handlers = {f"dev{i}": device(i, tmp_path) for i in range(4)}
     job = make_job()

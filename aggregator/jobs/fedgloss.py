@@ -10,7 +10,8 @@ the ADMM β; each device keeps its dual σ_k in its state store
 bounded-influence layers measure each update from w̃, the point it was trained from.
 
 σ's step weighs the round by |Cᵗ|/K, K the fleet's size (``total_devices``; 0: the devices
-that contributed so far, a lower bound that grows as the job meets its fleet), as Scaffold's c.
+that contributed so far, a lower bound that grows as the job meets its fleet), as Scaffold's c;
+|Cᵗ| counts the updates in the round's mean (not those the direction screen left out).
 A device not sampled keeps its σ_k (at the device); one sampled again after more than
 ``state_max_staleness`` rounds restarts from σ_k = 0 (``aggregator/jobs/device_state_fields.py``).
 """
@@ -71,13 +72,27 @@ class FedGlossJob(StatefulDevicesJob, FedAvgJob):
     def round_start(self) -> dict[str, np.ndarray]:
         return self.strategy.perturbed(self.params)          # w̃ᵗ: what this round's devices start from
 
+    def round_step(self) -> tuple[dict[str, np.ndarray] | None, int, int]:
+        """FedAvg's round step (FedGloSS runs no DP), p counted over the updates in the mean: the
+        devices the direction screen left out (``left_out``, which Scaffold's c step leaves out too)
+        are no more of this round's σ step than of its mean. Counted before ``round_mean``, whose
+        close observes the round: the small-round reference it then holds is not the one the mean
+        was bounded by (Scaffold's c step runs before it too)."""
+        in_mean = len(self._updates) - len(self.left_out())
+        return self.step_over(*self.round_mean(), in_mean)
+
     def server_step(self, mean: dict[str, np.ndarray] | None, updates: int, samples: int):
-        """FedGlossServer's step from the round's mean (one aggregator's, or a sharded coordinator's
-        on its shards' sums), the history measured from w̃ᵗ."""
+        """A sharded coordinator's step on its shards' sums: every accepted update is in their mean
+        (shards refuse the direction screen, ``needs_every_update``)."""
+        return self.step_over(mean, updates, samples, updates)
+
+    def step_over(self, mean: dict[str, np.ndarray] | None, updates: int, samples: int, in_mean: int):
+        """FedGlossServer's step from the round's mean of ``in_mean`` of its ``updates`` (p = |Cᵗ|/K
+        over those), the history measured from w̃ᵗ."""
         if mean is None:
             return None, 0, 0
         current = {name: self.params[name] for name in mean}
         # |Cᵗ|/K; K a lower bound (the devices met so far) when the config does not name the fleet
-        fleet = max(self.config.total_devices, len(self.contributed), updates)
-        moved = self.strategy.step(current, self.history.step(self.round_start(), mean), updates / fleet)
+        fleet = max(self.config.total_devices, len(self.contributed), in_mean)
+        moved = self.strategy.step(current, self.history.step(self.round_start(), mean), in_mean / fleet)
         return moved, updates, samples
