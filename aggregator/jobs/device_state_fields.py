@@ -68,6 +68,12 @@ class StatefulDevicesJob:
 
     device_state: DeviceStateRun
 
+    def participation(self, count: int) -> float:
+        """|S|/K of ``count`` devices in a round's step (Scaffold's c, FedGloSS's σ): K the fleet's size,
+        the config's ``total_devices``, or when 0 the devices that contributed so far (a lower bound
+        that grows as the job meets its fleet), never below ``count``."""
+        return count / max(self.config.total_devices, len(self.contributed), count)
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return {**super().state_dict(), **self.device_state.state_dict()}
 

@@ -92,7 +92,5 @@ class FedGlossJob(StatefulDevicesJob, FedAvgJob):
         if mean is None:
             return None, 0, 0
         current = {name: self.params[name] for name in mean}
-        # |Cᵗ|/K; K a lower bound (the devices met so far) when the config does not name the fleet
-        fleet = max(self.config.total_devices, len(self.contributed), in_mean)
-        moved = self.strategy.step(current, self.history.step(self.round_start(), mean), in_mean / fleet)
+        moved = self.strategy.step(current, self.history.step(self.round_start(), mean), self.participation(in_mean))
         return moved, updates, samples

@@ -152,9 +152,9 @@ class ScaffoldControls(StatefulDevicesJob):
 
     def move_control(self, mean: dict[str, np.ndarray], accepted: int) -> None:
         """c ← c + (|S| / K) · mean, |S| = ``accepted`` devices' Δc averaged into ``mean``."""
-        fleet = max(self.config.total_devices, len(self.contributed), accepted)
+        share = self.participation(accepted)
         for k in self.controlled:
-            self.control[k] = (self.control[k] + (accepted / fleet) * mean[k]).astype(np.float32)
+            self.control[k] = (self.control[k] + share * mean[k]).astype(np.float32)
 
     def close_round(self, closed: RoundClosed) -> None:
         if self._open and closed.round == self.round:
