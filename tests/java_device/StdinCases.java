@@ -1,4 +1,4 @@
-// The stdin loop the line-driven test drivers share (BodyEdges, WireEdges, InboxBound, HeadBytes,
+// The stdin loop the line-driven test drivers share (BodyEdges, WireEdges, InboxBound, HeadBytes, FeatureFileBytes,
 // SlotFiles, SlotSteps): each non-empty line of standard input (UTF-8) is one case, and its answer is
 // printed as one line and flushed before the next case is read, so a test that writes a step and
 // waits for its answer (tests/test_slot_shared_across_sdks.py) never waits on a buffer.
