@@ -128,8 +128,14 @@ def test_load_idx_dataset_pair(tmp_path):
         (random_array(np.uint8, (9, 20)), random_array(np.uint8, (9,)), "uint8 images"),
         (random_array(np.uint8, (9, 5, 4)), random_array(np.uint8, (9, 1)), "integer labels"),
         (random_array(np.uint8, (9, 5, 4)), random_array(np.float32, (9,)), "integer labels"),
+        (random_array(np.uint8, (2, 0, 28)), random_array(np.uint8, (2,)), r"shape \(0, 28\) hold no pixels"),
+        (random_array(np.uint8, (2, 28, 0)), random_array(np.uint8, (2,)), r"shape \(28, 0\) hold no pixels"),
+        (random_array(np.uint8, (3, 5, 4)), np.array([2, -1, 0], np.int8), "negative label -1"),
+        (random_array(np.uint8, (3, 5, 4)), np.array([2, 0, -300], np.int16), "negative label -300"),
+        (random_array(np.uint8, (3, 5, 4)), np.array([-7, 0, 1], np.int32), "negative label -7"),
     ],
-    ids=["count mismatch", "image dtype", "image ndim", "label ndim", "label dtype"],
+    ids=["count mismatch", "image dtype", "image ndim", "label ndim", "label dtype", "zero-height images",
+         "zero-width images", "negative i1 label", "negative i2 label", "negative i4 label"],
 )
 def test_load_idx_dataset_rejects_inconsistent_pairs(tmp_path, images, labels, message):
     with pytest.raises(IdxFormatError, match=message):

@@ -130,10 +130,16 @@ def load_idx_dataset(images_path: str | Path, labels_path: str | Path) -> tuple[
         raise IdxFormatError(
             f"{images_path}: expected uint8 images of shape (N, H, W), got {images.dtype} {images.shape}"
         )
+    if 0 in images.shape[1:]:
+        # refused here, not after a task's full feature extraction over images of no pixels
+        raise IdxFormatError(f"{images_path}: images of shape {images.shape[1:]} hold no pixels")
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise IdxFormatError(
             f"{labels_path}: expected integer labels of shape (N,), got {labels.dtype} {labels.shape}"
         )
+    if len(labels) and labels.min() < 0:
+        # class ids count from 0; the tasks check only the largest against the job's classes
+        raise IdxFormatError(f"{labels_path}: negative label {labels.min()}: class ids count from 0")
     if len(images) != len(labels):
         raise IdxFormatError(
             f"{images_path} holds {len(images)} images but {labels_path} holds {len(labels)} labels"
