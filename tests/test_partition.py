@@ -265,6 +265,25 @@ def test_train_holdout_small_devices_keep_both_sides():
     assert len(holdout) == 0 and len(train) == 3
 
 
+@pytest.mark.parametrize("fraction", [0.5, 0.9, 0.99])
+def test_train_holdout_a_single_sample_stays_for_training(fraction):
+    train, holdout = train_holdout_split(np.array([7]), fraction, seed=0)
+    assert train.tolist() == [7] and holdout.tolist() == []
+
+
+@pytest.mark.parametrize("n", range(0, 12))
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 0.9, 0.99])
+def test_train_holdout_size_follows_its_rule(n, fraction):
+    """round(f * n), at least 1 when f > 0 and n >= 2, at most n - 1 (never below 0)."""
+    expected = round(fraction * n)
+    if fraction > 0 and n >= 2:
+        expected = max(expected, 1)
+    expected = max(min(expected, n - 1), 0)
+    train, holdout = train_holdout_split(np.arange(n), fraction, seed=n)
+    assert len(holdout) == expected and len(train) == n - expected
+    assert sorted([*train.tolist(), *holdout.tolist()]) == list(range(n))
+
+
 @pytest.mark.parametrize("fraction", [1.0, -0.1, float("nan")])
 def test_train_holdout_bad_fraction(fraction):
     with pytest.raises(ValueError, match="holdout_fraction"):

@@ -26,8 +26,9 @@ def train_holdout_split(
     if not isinstance(holdout_fraction, (int, float, np.floating)) or not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction!r}")
     n = len(indices)
-    n_holdout = int(round(holdout_fraction * n))
+    # at most n - 1 for every n >= 1 (a single sample stays for training, whatever the fraction)
+    n_holdout = min(int(round(holdout_fraction * n)), max(n - 1, 0))
     if holdout_fraction > 0 and n >= 2:
-        n_holdout = min(max(n_holdout, 1), n - 1)
+        n_holdout = max(n_holdout, 1)
     shuffled = np.random.default_rng(seed).permutation(indices).astype(np.int64)
     return np.sort(shuffled[n_holdout:]), np.sort(shuffled[:n_holdout])
