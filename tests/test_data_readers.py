@@ -405,3 +405,27 @@ def test_an_idx_header_declaring_more_than_there_is_or_may_be_is_a_format_error(
     path.write_bytes(gzip.compress(header + b"\0" * 64) if compressed else header + b"\0" * 64)
     with pytest.raises(IdxFormatError):
         read_idx(path, max_bytes=1 << 20 if dims == (1 << 12, 1 << 12) and compressed else 1 << 30)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32], ids=["u1", "i4 (swapped)"])
+def test_an_idx_payload_is_held_once_while_read(tmp_path, dtype):
+    """A review's finding: a ~1 MB gzip may inflate to the 1 GB payload cap, and the reader held the
+    inflated blocks, their join and a native-order copy: about three times the payload at its peak."""
+    import tracemalloc
+
+    from edge_client.data.idx import _BLOCK
+
+    array = np.zeros((256 // np.dtype(dtype).itemsize, 256, 256), dtype)      # 16 MiB
+    array[::7, 3, 5] = 201                               # not all zeros: the values must come back
+    path = write_idx(tmp_path / "big-idx3", array, compress=True)
+    tracemalloc.start()
+    try:
+        result = read_idx(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(result, array)
+    assert result.dtype.isnative and result.flags.writeable
+    # beyond the payload, only the gzip reader's buffers for one block (about three blocks)
+    overhead = peak - array.nbytes
+    assert overhead < 4 * _BLOCK, f"peak {peak / array.nbytes:.2f}x the {array.nbytes}-byte payload"

@@ -53,21 +53,21 @@ MAX_IDX_BYTES = 1 << 30         # a payload larger than this is refused (Fashion
 _BLOCK = 1 << 20
 
 
+def _read_into(stream: BinaryIO, buffer: memoryview, path: Path, what: str) -> None:
+    """Fill ``buffer`` from ``stream``; IdxFormatError if the stream ends first."""
+    # in blocks: GzipFile.readinto reads a whole request into a temporary bytes object first
+    got = 0
+    while got < len(buffer):
+        n = stream.readinto(buffer[got:got + _BLOCK])
+        if not n:
+            raise IdxFormatError(f"{path}: truncated {what}: expected {len(buffer)} bytes, got {got}")
+        got += n
+
+
 def _read_exactly(stream: BinaryIO, n_bytes: int, path: Path, what: str) -> bytes:
-    # in blocks: a header may promise far more than the file holds, and a single read(n) allocates n
-    blocks, got = [], 0
-    while got < n_bytes:
-        block = stream.read(min(_BLOCK, n_bytes - got))
-        if not block:
-            break
-        blocks.append(block)
-        got += len(block)
-    data = b"".join(blocks)
-    if len(data) != n_bytes:
-        raise IdxFormatError(
-            f"{path}: truncated {what}: expected {n_bytes} bytes, got {len(data)}"
-        )
-    return data
+    data = bytearray(n_bytes)        # only the header's few bytes: the payload is read by _read_into
+    _read_into(stream, memoryview(data), path, what)
+    return bytes(data)
 
 
 def _parse(stream: BinaryIO, path: Path, max_bytes: int) -> np.ndarray:
@@ -90,14 +90,20 @@ def _parse(stream: BinaryIO, path: Path, max_bytes: int) -> np.ndarray:
     if payload_bytes > max_bytes:
         raise IdxFormatError(f"{path}: dims {dims} declare {payload_bytes} payload bytes, over the "
                              f"{max_bytes} this reader takes (or the file holds)")
-    payload = _read_exactly(stream, payload_bytes, path, f"payload for dims {dims}")
+    # read straight into the array returned, swapped in place: one payload-sized allocation (a ~1 MB
+    # gzip may inflate to the max_bytes cap; joined blocks then a native-order copy held two at a time).
+    # np.empty's pages are committed only as the stream fills them, so a header promising more than
+    # the stream holds costs no memory.
+    items = np.empty(math.prod(dims), dtype=item_dtype)
+    _read_into(stream, memoryview(items.view(np.uint8)), path, f"payload for dims {dims}")
     if stream.read(1):
         raise IdxFormatError(
             f"{path}: oversized: data continues past the {payload_bytes} payload bytes "
             f"declared by dims {dims}"
         )
-    # frombuffer gives a read-only big-endian view; astype makes a writable native-order copy.
-    return np.frombuffer(payload, dtype=item_dtype).astype(item_dtype.newbyteorder("=")).reshape(dims)
+    if not item_dtype.isnative:
+        items = items.byteswap(inplace=True).view(item_dtype.newbyteorder("="))
+    return items.reshape(dims)
 
 
 def read_idx(path: str | Path, max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
