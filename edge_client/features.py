@@ -9,10 +9,14 @@ ONNX Runtime (``edge_client.runtime``), so every runtime shares one preprocessin
 Features of a frozen backbone never change for a given image set, and a device re-uses them
 every round (Fed3R statistics, OLL, evaluation), so :meth:`FeatureExtractor.extract` can cache
 them. The cache key covers the model (``cache_key``: backbone, weights digest, runtime), the
-preprocessing (image size, mean, std) and the exact images (dtype, shape and bytes). Files are
-written to a temporary name and renamed, so a crash or a concurrent writer never leaves a
-half-written file under the final name; an unreadable cache file is treated as a miss, and a cache
-that cannot be written leaves the features uncached (never fails the extraction). A hit
+preprocessing (image size, mean, std) and the exact images (dtype, shape and bytes). A file is
+the .npy of the features followed by the sha256 of that .npy (``CHECKSUM_BYTES``, which np.load
+ignores), checked on every load: a bit flipped on disk, or a file of the right size zero-filled by
+a crash, loaded as valid features and poisoned Fed3R's statistics. Files are written atomically
+(``protocols.files.write_atomic``: synced, renamed, the folder synced), so a crash or a concurrent
+writer never leaves a half-written file under the final name; an unreadable or mismatching cache
+file is treated as a miss (recomputed and rewritten), and a cache that cannot be written leaves
+the features uncached (never fails the extraction). A hit
 touches its file, so a disk budget on the folder (``edge_client/disk_budget.py``, the device's
 ``--feature-cache-mb``) removes the files least recently used first.
 """
@@ -20,11 +24,11 @@ touches its file, so a disk budget on the folder (``edge_client/disk_budget.py``
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import math
 import os
 import pathlib
-import tempfile
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -33,7 +37,7 @@ import numpy as np
 # features with an exported program (FeatureExtractor.from_bundle).
 from edge_client.disk_budget import touch
 from edge_client.preprocess import to_model_input, validate_images
-from protocols.files import read_npy_header
+from protocols.files import read_npy_header, write_atomic
 from protocols.regular_file import open_regular
 
 __all__ = ["FeatureExtractor"]
@@ -41,6 +45,7 @@ __all__ = ["FeatureExtractor"]
 log = logging.getLogger("fedfleet.device")
 
 MAX_BATCH_PIXELS = 64 * 224 * 224       # 64 images at the backbones' usual 224 px
+CHECKSUM_BYTES = hashlib.sha256().digest_size   # the trailer of a cache file: sha256 of the .npy before it
 
 ForwardFn = Callable[[np.ndarray], np.ndarray]
 
@@ -191,13 +196,22 @@ class FeatureExtractor:
         try:
             with open_regular(path) as f:           # the header under the lock, the data outside it
                 shape, fortran_order, dtype = read_npy_header(f)
+                data_bytes = math.prod(shape) * dtype.itemsize
                 if (fortran_order or dtype != np.dtype("<f4") or len(shape) != 2 or shape[0] != count
                         or (expected_dim is not None and shape[1] != expected_dim)
-                        or os.fstat(f.fileno()).st_size - f.tell() != math.prod(shape) * dtype.itemsize):
+                        or os.fstat(f.fileno()).st_size - f.tell() != data_bytes + CHECKSUM_BYTES):
                     return None
-                features = np.fromfile(f, dtype=dtype, count=math.prod(shape)).reshape(shape)
+                header_bytes = f.tell()
+                f.seek(0)
+                npy = bytearray(header_bytes + data_bytes)     # the features' own buffer: no copy
+                read = f.readinto(npy)
+                stored_checksum = f.read(CHECKSUM_BYTES)
         except (OSError, ValueError, EOFError):
             return None  # gone, not a regular file, corrupt or truncated: recompute and overwrite
+        if read != len(npy) or hashlib.sha256(npy).digest() != stored_checksum:
+            log.warning("feature cache: %s does not match its checksum (damaged on disk); recomputing", path.name)
+            return None
+        features = np.frombuffer(npy, dtype=dtype, offset=header_bytes).reshape(shape)
         touch(path)         # used: the last a disk budget on the cache folder removes (disk_budget.py)
         return features
 
@@ -205,20 +219,12 @@ class FeatureExtractor:
         """Keep ``features`` under ``path``, or leave them uncached: the cache only saves work, and a
         folder it cannot write (a full disk, read-only, a folder at the file's name) failed the
         extraction whose features were already computed, and every later one of those images."""
+        npy = io.BytesIO()
+        np.save(npy, features, allow_pickle=False)
+        npy = npy.getvalue()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            handle = tempfile.NamedTemporaryFile(
-                dir=path.parent, prefix=path.stem + ".", suffix=".tmp", delete=False)
+            # synced before the rename: unsynced, a crash could leave the name on a file of zeros
+            write_atomic(path, npy + hashlib.sha256(npy).digest(), temp_prefix=f".{path.stem}.")
         except OSError as exc:
-            log.warning("feature cache: cannot write in %s (%s); features not cached", path.parent, exc)
-            return
-        try:
-            with handle:    # no fsync (a disk flush per emulated device): a cache file torn by a
-                np.save(handle, features, allow_pickle=False)    # crash fails to load and is recomputed
-            os.replace(handle.name, path)
-        except OSError as exc:
-            pathlib.Path(handle.name).unlink(missing_ok=True)
-            log.warning("feature cache: cannot write %s (%s); features not cached", path.name, exc)
-        except BaseException:
-            pathlib.Path(handle.name).unlink(missing_ok=True)
-            raise
+            log.warning("feature cache: cannot write %s (%s); features not cached", path, exc)

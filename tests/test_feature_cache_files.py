@@ -1,6 +1,7 @@
 """The device's feature cache against files that are not what it wrote (a review's findings): a
 cache file whose header declares more than the file holds, a FIFO or a folder at a cache file's
-name, a cache folder that cannot be written. Each is a miss (or stays uncached): the extraction
+name, a cache folder that cannot be written, a file of the right size with a flipped byte or
+zeroed after a crash. Each is a miss (or stays uncached): the extraction
 returns the features the model computes, without a large allocation, a hang or an error.
 Torch-free: the "model" is a small numpy function, and the reference the same extractor without
 a cache."""
@@ -86,3 +87,33 @@ def test_a_cache_that_cannot_be_written_leaves_the_features_uncached(tmp_path):
     blocked = tmp_path / "not-a-folder"
     blocked.write_bytes(b"")
     np.testing.assert_array_equal(extractor(blocked / "cache").extract(IMAGES), EXPECTED)
+
+
+def _damaged_in_place(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "flipped byte":
+        data[-40] ^= 0x01               # a bit in the last feature value: still a finite float32
+    else:
+        data[128:] = bytes(len(data) - 128)     # the data zero-filled, the header kept (an unsynced crash)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "zero-filled"])
+def test_a_cache_file_damaged_at_its_size_is_recomputed_not_used(tmp_path, how):
+    """A file of the right size whose bytes changed on disk loaded as valid features (Fed3R's
+    statistics then summed the wrong ones): its checksum no longer matches, so it is a miss."""
+    calls = []
+    cached = FeatureExtractor(lambda batch: calls.append(len(batch)) or pixel_features(batch), image_size=8,
+                              mean=(0.5,) * 3, std=(0.25,) * 3, feature_dim=DIM, cache_dir=tmp_path,
+                              cache_key="test-model")
+    np.testing.assert_array_equal(cached.extract(IMAGES), EXPECTED)
+    size = cache_name(tmp_path).stat().st_size
+    _damaged_in_place(cache_name(tmp_path), how)
+    assert cache_name(tmp_path).stat().st_size == size
+    calls.clear()
+    np.testing.assert_array_equal(cached.extract(IMAGES), EXPECTED)
+    assert calls, "the damaged cache file was used"
+    calls.clear()
+    np.testing.assert_array_equal(cached.extract(IMAGES), EXPECTED)     # rewritten whole: a hit again
+    assert not calls
+    assert [p.name for p in tmp_path.iterdir()] == [cache_name(tmp_path).name]     # no temporary file left

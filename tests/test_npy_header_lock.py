@@ -63,7 +63,7 @@ def test_the_aggregators_models_and_checkpoints_are_read_under_the_lock(parses, 
 
 def test_the_feature_cache_is_read_under_the_lock(parses, tmp_path):
     path = tmp_path / "features.npy"
-    np.save(path, np.ones((2, 5), np.float32))
     extractor = FeatureExtractor.__new__(FeatureExtractor)      # only the cache reader: no network built
+    extractor._store(path, np.ones((2, 5), np.float32))         # with its checksum, as the cache writes it
     extractor._feature_dim = 5
     assert extractor._load_cached(path, 2).shape == (2, 5) and parses == [True]
