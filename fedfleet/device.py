@@ -24,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--image-folder", type=Path, help="root/<class>/*.png layout with any subset of --classes")
     src.add_argument("--idx", nargs=2, type=Path, metavar=("IMAGES", "LABELS"), help="IDX image and label files")
     p.add_argument("--classes", default=None, help="comma-separated global class list (image-folder mode)")
+    p.add_argument("--image-size", type=int, default=None, metavar="PIXELS",
+                   help="--image-folder: resize every image to PIXELS x PIXELS as it is read (the backbone's input "
+                        "size, e.g. 224), so images of mixed sizes or orientations load and large photos take "
+                        "little memory (default: images are kept as they are and must share one size)")
+    p.add_argument("--image-memory-mb", type=float, default=IMAGE_FOLDER_MB,
+                   help="--image-folder: the most the decoded images may take in memory; a larger folder is "
+                        "refused before any image is decoded")
     p.add_argument("--cache-dir", default=None, help="where extracted features are cached (default: no cache)")
     p.add_argument("--runtime", default=None, choices=["eager", "executorch", "onnxruntime", "auto"],
                    help="how features are extracted: eager PyTorch, or an exported bundle's program; auto: the "
@@ -212,6 +219,9 @@ def _start_device(args) -> SimpleNamespace:
                            protocol_handlers=protocol_handlers, train_idx=train_idx, holdout_idx=holdout_idx)
 
 
+# the default cap on a decoded image folder (edge_client.data.image_folder.MAX_FOLDER_BYTES, not imported
+# here: building the parser must not import the data readers)
+IMAGE_FOLDER_MB = 4096.0
 DISK_CHECK_S = 30.0      # how often a running device trims its feature cache and fetched bundles
 
 
@@ -232,7 +242,9 @@ def _check_device_arguments(args) -> None:
         raise UserError("--threads must be >= 1")
     if not 0 <= args.holdout_fraction < 1:
         raise UserError("--holdout-fraction must be in [0, 1)")
-    for flag in ("bundle_disk_mb", "feature_cache_mb"):
+    if args.image_size is not None and not 1 <= args.image_size <= 8192:
+        raise UserError(f"--image-size must be between 1 and 8192 pixels, got {args.image_size}")
+    for flag in ("bundle_disk_mb", "feature_cache_mb", "image_memory_mb"):
         if not 1 <= getattr(args, flag) <= 2**30:        # also refuses NaN
             raise UserError(f"--{flag.replace('_', '-')} must be a size in MB between 1 and 2^30, "
                             f"got {getattr(args, flag)}")
@@ -253,7 +265,7 @@ def _check_device_arguments(args) -> None:
 def _local_images(args):
     """The device's own labelled images (IDX files or an image folder), with its thread count set."""
     from edge_client.data import load_idx_dataset
-    from edge_client.data.image_folder import load_image_folder
+    from edge_client.data.image_folder import ImageFolderTooLargeError, MixedImageSizesError, load_image_folder
 
     from .errors import UserError
 
@@ -263,7 +275,17 @@ def _local_images(args):
         if not args.classes:
             raise UserError("--image-folder needs --classes (the job's class names, in order): ids taken from "
                             "the folders present would mislabel a device that holds only some classes")
-        images, labels, _ = load_image_folder(args.image_folder, classes=args.classes.split(","))
+        size = (args.image_size, args.image_size) if args.image_size else None
+        try:
+            images, labels, _ = load_image_folder(args.image_folder, size, args.classes.split(","),
+                                                  max_bytes=_megabytes(args.image_memory_mb))
+        except MixedImageSizesError as exc:
+            raise UserError(f"--image-folder: {exc.detail}; pass --image-size PIXELS (the "
+                            "backbone's input size, e.g. 224) to resize every image as it is read") from None
+        except ImageFolderTooLargeError as exc:
+            raise UserError(f"--image-folder: {exc} (--image-memory-mb); pass --image-size PIXELS (the backbone's "
+                            "input size, e.g. 224) to keep each image that small, or raise --image-memory-mb") \
+                from None
     if args.threads is not None:
         set_threads(args.runtime, args.threads)
     return images, labels

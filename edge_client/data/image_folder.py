@@ -7,6 +7,10 @@ Within a class, files are read in sorted name order so the returned arrays are
 deterministic. Every image is converted to 8-bit RGB (grayscale replicated, alpha dropped,
 16-bit grayscale to its high byte), turned upright as its EXIF orientation says. A file is decoded
 only as the format its suffix names, and only if its header declares at most ``MAX_IMAGE_PIXELS``.
+The whole folder is held decoded in memory, so its total is bounded too: the headers are read
+first, and a folder that would decode to more than ``max_bytes`` (``MAX_FOLDER_BYTES`` unless told)
+is refused before any image is decoded (2,000 photos of 12 MP are 72 GB); images are decoded
+straight into the one preallocated array (a list then ``np.stack`` held everything twice).
 
 Decoding uses Pillow, imported on first use so that devices which only read IDX data do
 not need it.
@@ -27,6 +31,21 @@ IMAGE_SUFFIXES = frozenset(FORMATS_BY_SUFFIX)
 # 8-bit RGB; a 48 MP photo fits). Pillow's own bound (Image.MAX_IMAGE_PIXELS) only warns below 179 M
 # pixels (0.7 GB as RGBA), and is a process-wide setting any library may lift.
 MAX_IMAGE_PIXELS = 50_000_000
+# The most a whole folder may decode to (8-bit RGB, at ``size`` when given) unless the caller says.
+MAX_FOLDER_BYTES = 4 << 30
+
+
+class MixedImageSizesError(ValueError):
+    """The folder's images do not share one size and no ``size`` was given to resize them to;
+    ``detail`` says which, without the hint (a command names its own option for ``size``)."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"{detail}; pass size=(height, width) to resize")
+        self.detail = detail
+
+
+class ImageFolderTooLargeError(ValueError):
+    """The folder would decode to more than the caller's byte cap."""
 
 
 def _import_pillow():
@@ -68,14 +87,29 @@ def _image_files(class_dir: Path) -> list[Path]:
     )
 
 
+def _declared_size(Image, path: Path) -> tuple[int, int]:
+    """(width, height) the header of ``path`` declares; nothing decoded."""
+    try:
+        with Image.open(path, formats=FORMATS_BY_SUFFIX[path.suffix.lower()]) as image:
+            return _checked_size(image)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"cannot decode image {path}: {exc}") from exc
+
+
+def _checked_size(image) -> tuple[int, int]:
+    """(width, height) of an opened image, ValueError above ``MAX_IMAGE_PIXELS``."""
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"{width}x{height} is more than the {MAX_IMAGE_PIXELS:,} pixels an image may have")
+    return width, height
+
+
 def _decode_rgb(Image, path: Path, size_hw: tuple[int, int] | None) -> np.ndarray:
     from PIL import ImageOps
 
     try:
         with Image.open(path, formats=FORMATS_BY_SUFFIX[path.suffix.lower()]) as image:
-            width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise ValueError(f"{width}x{height} is more than the {MAX_IMAGE_PIXELS:,} pixels an image may have")
+            _checked_size(image)
             # as it was taken: a camera stores a portrait photo landscape, with an EXIF orientation
             ImageOps.exif_transpose(image, in_place=True)
             rgb = _eight_bit_rgb(Image, image)
@@ -101,12 +135,15 @@ def load_image_folder(
     root: str | Path,
     size: tuple[int, int] | None = None,
     classes: list[str] | None = None,
+    max_bytes: int = MAX_FOLDER_BYTES,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Load every image under ``root/<class>/`` as uint8 (N, H, W, 3), int64 labels (N,), class names.
 
     ``size`` is ``(height, width)``; images are resized to it. Without ``size`` all images
     must already share one size. With ``classes``, only those subfolders are read and
-    label ``i`` means ``classes[i]``; a listed class with no images keeps its id.
+    label ``i`` means ``classes[i]``; a listed class with no images keeps its id. A folder that
+    would decode to more than ``max_bytes`` raises ImageFolderTooLargeError before any decoding;
+    images of differing sizes without ``size``, MixedImageSizesError.
     """
     root = Path(root)
     if not root.is_dir():
@@ -118,20 +155,32 @@ def load_image_folder(
     class_names = _class_names(root, classes)
     Image = _import_pillow()
 
-    images: list[np.ndarray] = []
+    files: list[Path] = []
     labels: list[int] = []
     for class_id, name in enumerate(class_names):
-        if not (root / name).is_dir():
-            continue
-        for path in _image_files(root / name):
-            image = _decode_rgb(Image, path, size)
-            if images and image.shape != images[0].shape:
-                raise ValueError(
-                    f"{path} is {image.shape[1]}x{image.shape[0]} but earlier images are "
-                    f"{images[0].shape[1]}x{images[0].shape[0]}; pass size=(height, width) to resize"
-                )
-            images.append(image)
-            labels.append(class_id)
-    if not images:
+        if (root / name).is_dir():
+            class_files = _image_files(root / name)
+            files += class_files
+            labels += [class_id] * len(class_files)
+    if not files:
         raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found under {root}")
-    return np.stack(images), np.asarray(labels, dtype=np.int64), class_names
+    if size is not None:
+        total_bytes = len(files) * size[0] * size[1] * 3
+    else:   # an EXIF rotation swaps width and height, never changes their product
+        total_bytes = sum(w * h * 3 for w, h in (_declared_size(Image, path) for path in files))
+    if total_bytes > max_bytes:
+        raise ImageFolderTooLargeError(
+            f"the {len(files):,} images under {root} decode to {total_bytes / 2**20:,.0f} MiB, more than the "
+            f"{max_bytes / 2**20:,.0f} MiB cap on an image folder")
+
+    first = _decode_rgb(Image, files[0], size)
+    images = np.empty((len(files), *first.shape), np.uint8)
+    images[0] = first
+    for index, path in enumerate(files[1:], start=1):
+        image = _decode_rgb(Image, path, size)
+        if image.shape != first.shape:
+            raise MixedImageSizesError(
+                f"{path} is {image.shape[1]}x{image.shape[0]} but earlier images are "
+                f"{first.shape[1]}x{first.shape[0]}")
+        images[index] = image
+    return images, np.asarray(labels, dtype=np.int64), class_names
