@@ -12,9 +12,9 @@ them. The cache key covers the model (``cache_key``: backbone, weights digest, r
 preprocessing (image size, mean, std) and the exact images (dtype, shape and bytes). A file is
 the .npy of the features followed by the sha256 of that .npy (``CHECKSUM_BYTES``, which np.load
 ignores), checked on every load: a bit flipped on disk, or a file of the right size zero-filled by
-a crash, loaded as valid features and poisoned Fed3R's statistics. Files are written atomically
-(``protocols.files.write_atomic``: synced, renamed, the folder synced), so a crash or a concurrent
-writer never leaves a half-written file under the final name; an unreadable or mismatching cache
+a crash, loaded as valid features and poisoned Fed3R's statistics. Files are written whole under a
+temp name and renamed (``protocols.files.write_atomic``, not synced: the checksum catches what a
+power cut leaves), so a concurrent writer never leaves a half-written file under the final name; an unreadable or mismatching cache
 file is treated as a miss (recomputed and rewritten), and a cache that cannot be written leaves
 the features uncached (never fails the extraction). A hit
 touches its file, so a disk budget on the folder (``edge_client/disk_budget.py``, the device's
@@ -224,7 +224,9 @@ class FeatureExtractor:
         npy = npy.getvalue()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # synced before the rename: unsynced, a crash could leave the name on a file of zeros
-            write_atomic(path, npy + hashlib.sha256(npy).digest(), temp_prefix=f".{path.stem}.")
+            # renamed whole, not synced: a file a power cut left zero-filled fails its checksum (a miss),
+            # and a sync per file would cost an emulated fleet's thousands of first extractions
+            write_atomic(path, npy + hashlib.sha256(npy).digest(), temp_prefix=f".{path.stem}.", mode=0o644,
+                         durable=False)
         except OSError as exc:
             log.warning("feature cache: cannot write %s (%s); features not cached", path, exc)

@@ -161,13 +161,15 @@ def check_new_file_target(path: str | Path) -> None:
 
 
 def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, *, mode: int = 0o600,
-                 owner: int | None = None) -> None:
+                 owner: int | None = None, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` so that a crash or a power cut leaves the old file or the new
     one, never part of either: a synced temp file beside it (named ``temp_prefix``…, by default
     ``.{name}.``…), renamed over it, the folder synced. A failed write removes its temp file (on a
     full disk, a partial one would starve the retry); one a crash left is the caller's to sweep.
     ``mode`` and ``owner`` (a uid; the group is kept) are set on the temp file before the rename,
-    so the file never appears with other permissions (a broker's password file, its key)."""
+    so the file never appears with other permissions (a broker's password file, its key).
+    ``durable=False``: no fsync (a cache whose reader verifies a checksum takes a file a power cut
+    left zero-filled as a miss; thousands of emulated devices each writing one would pay a sync each)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix or f".{path.name}.", dir=path.parent)
     try:
@@ -177,12 +179,14 @@ def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, 
             os.fchmod(f.fileno(), mode)
             if owner is not None:
                 os.fchown(f.fileno(), owner, -1)
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    sync_folder(path.parent)    # the rename itself survives a power cut
+    if durable:
+        sync_folder(path.parent)    # the rename itself survives a power cut
 
 
 def sync_folder(folder: str | Path) -> None:
