@@ -345,7 +345,8 @@ class ClientSecAgg:
         apply_masks(masked, seeds)
         replies = [self._reply(ShareAccusation, accused=tuple(accused))] if accused else []
         replies.append(self._reply(MaskedInput, masked_input=masked))       # after it: it may close the phase
-        self._ask_guard("masked_input", self._participants)                 # last: it may record the release
+        if self.release_guard is not None:                                  # last: it may record the release
+            _refuse_if(self.release_guard.masked_input(self._participants))
         self._held_shares, self._u2_neighbours = held, frozenset(message.senders)
         self.accused = tuple(accused)
         self._encoded_input = self._raw_input = None
@@ -387,14 +388,11 @@ class ClientSecAgg:
         reply = self._reply(UnmaskShares, self_mask_owners=tuple(self_mask_owners),
                             self_mask_shares=rows(self_mask_owners, 1), key_owners=tuple(key_owners),
                             key_shares=rows(key_owners, 0))
-        self._ask_guard("unmask", frozenset(survivors))
+        if self.release_guard is not None:
+            _refuse_if(self.release_guard.unmask(frozenset(survivors)))
         self.revealed = {**{o: "self_mask" for o in self_mask_owners}, **{o: "mask_key" for o in key_owners}}
         self._erase_secrets()
         return [reply]
-
-    def _ask_guard(self, step: str, members: frozenset[str]) -> None:
-        if self.release_guard is not None and (reason := getattr(self.release_guard, step)(members)) is not None:
-            raise ReleaseRefused(reason)
 
     def _check_consistency_signatures(self, message: UnmaskRequest) -> None:
         signers = self.config.from_bitmap(message.consistency_signers)
@@ -424,6 +422,12 @@ class ClientSecAgg:
     def _abort(self) -> None:
         self._erase_secrets()
         self.state = ClientState.ABORTED
+
+
+def _refuse_if(reason: str | None) -> None:
+    """The release guard's answer: a reason refuses the release (the round is aborted)."""
+    if reason is not None:
+        raise ReleaseRefused(reason)
 
 
 def _phase(handler: Callable[[ClientSecAgg, Message], list[Message]], next_state: ClientState):
