@@ -4,6 +4,7 @@ and the lock under which threads parse arrays' headers."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -161,7 +162,7 @@ def check_new_file_target(path: str | Path) -> None:
 
 
 def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, *, mode: int = 0o600,
-                 owner: int | None = None, durable: bool = True) -> None:
+                 owner: int | None = None, durable: bool = True, replace: bool = True) -> None:
     """Replace ``path`` with ``data`` so that a crash or a power cut leaves the old file or the new
     one, never part of either: a synced temp file beside it (named ``temp_prefix``…, by default
     ``.{name}.``…), renamed over it, the folder synced. A failed write removes its temp file (on a
@@ -169,7 +170,9 @@ def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, 
     ``mode`` and ``owner`` (a uid; the group is kept) are set on the temp file before the rename,
     so the file never appears with other permissions (a broker's password file, its key).
     ``durable=False``: no fsync (a cache whose reader verifies a checksum takes a file a power cut
-    left zero-filled as a miss; thousands of emulated devices each writing one would pay a sync each)."""
+    left zero-filled as a miss; thousands of emulated devices each writing one would pay a sync each).
+    ``replace=False``: the file is linked in only where ``path`` names nothing (a name already there,
+    a link planted there included, stays as it is: the caller reads and judges it), never replaced."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix or f".{path.name}.", dir=path.parent)
     try:
@@ -181,7 +184,12 @@ def write_atomic(path: str | Path, data: bytes, temp_prefix: str | None = None, 
                 os.fchown(f.fileno(), owner, -1)
             if durable:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+            os.unlink(tmp)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -26,13 +26,12 @@ import base64
 import binascii
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from protocols.files import sync_folder
+from protocols.files import write_atomic
 from protocols.regular_file import not_regular, open_regular_fd
 
 KEY_BYTES = 32          # AES-256
@@ -115,19 +114,7 @@ class SealingKey:
         fails, and that name is then read and judged like any key file."""
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._check_folder()                # one that was there keeps its mode
-        fd, temp = tempfile.mkstemp(prefix=f".{self.FILE}.", dir=self.folder)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(os.urandom(KEY_BYTES))
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(temp, self.path)
-            except FileExistsError:
-                pass
-        finally:
-            os.unlink(temp)
-        sync_folder(self.folder)
+        write_atomic(self.path, os.urandom(KEY_BYTES), f".{self.FILE}.", replace=False)
 
     def _read(self) -> bytes:
         try:
