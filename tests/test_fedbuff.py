@@ -145,6 +145,25 @@ def test_job_dispatches_the_current_version_and_checks_the_echo():
     assert twin.buffer.buffered == 1
 
 
+def test_a_device_whose_update_waits_in_the_buffer_is_not_asked_again_after_a_restart():
+    """One device holds at most one slot of each buffer (``in_buffer``); the checkpoint names the
+    buffer's devices, and a restarted job must keep them out of the next dispatches too (it once
+    started with none marked, so the device whose update waited in the buffer was asked again)."""
+    config = AsyncFedAvgConfig(num_classes=C, feature_dim=D, clients_per_round=3, buffer_size=3,
+                               max_staleness=2, rounds=5)
+    rng = np.random.default_rng(5)
+    live = AsyncFedAvgJob(config)
+    r_a, r_b = live.open_dispatch("a"), live.open_dispatch("b")
+    live.apply("a", live.parse_result(result_env(live, "a", r_a, head(rng), 5, 0)))
+    live.close_round(RoundClosed(r_a, ("a",), (), (), ()))
+    assert live.next_dispatches({"a", "b", "c"}) == ["c"]              # a waits in the buffer, b trains
+    restarted = AsyncFedAvgJob(config)
+    restarted.load_state_dict(live.state_dict())
+    restarted.keep_dispatches({r_b: "b"})
+    assert restarted.buffer.buffered == 1
+    assert restarted.next_dispatches({"a", "b", "c"}) == ["c"]
+
+
 def test_a_restart_replaying_an_answered_round_still_open_never_applies_an_update_twice():
     """The replay walks the stored rounds in order: a round answered but not yet closed when the
     process died is applied again early and closed only at the next tick, after the later rounds'

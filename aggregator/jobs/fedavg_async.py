@@ -201,6 +201,10 @@ class AsyncFedAvgJob(AsynchronousJob, FedAvgJob):
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.buffer.load_state_dict(state)
         self.params = dict(self.buffer.params)
+        # the open buffer's devices, as ``apply`` marked them: a replay skips the dispatches already
+        # in the checkpoint, so without this a restart let a device with an update in the buffer be
+        # asked again and fill a second slot of it (a review's finding)
+        self.in_buffer = self.buffer.buffered_devices()
         self.round, self.samples = int(state["round"][0]), int(state["samples"][0])
         # devices are filled in by keep_dispatches (the open rounds' participants)
         self.dispatches = {int(r): ("", int(v)) for r, v in zip(state["dispatch.rounds"], state["dispatch.versions"])}

@@ -105,6 +105,10 @@ class FedBuff(AsyncStrategy):
                            f"max staleness {self.max_staleness})")
         return self._models[version]
 
+    def buffered_devices(self) -> set[str]:
+        """Who sent the updates in the open buffer (those not named left out)."""
+        return {device for device in self._devices if device}
+
     def staleness(self, base_version: int) -> int:
         if not 0 <= base_version <= self.version:
             raise ValueError(f"base version {base_version} outside 0..{self.version}")
