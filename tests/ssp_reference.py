@@ -23,3 +23,24 @@ def ssp_weights(a: np.ndarray, b: np.ndarray, sigma_off: float, lam: float, rele
     p = a.shape[0]
     ssp_lam = max(lam, 2 / (3 * math.pi) * 2 * sigma_off * math.sqrt(p * releases))
     return np.linalg.solve(spiked_wigner_shrinkage(a, sigma_off, releases) + ssp_lam * np.eye(p), b)
+
+
+GRID_MARGIN = 2.0 ** -20        # the release grid's share of the sensitivity (aggregator/strategies/dp_noise.py)
+
+
+def release_noise(scale, p: int, C: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(A's noise as a symmetric p×p matrix, B's noise p×C) of one DP Fed3R release, off the grid:
+    σ_i(1 + 2^-20)·Z with the standard normals drawn in one call, A's packed triangle first, then B
+    row by row. The release itself is within one grid step of the sums plus this, g ≤ Δ·2^-20 of
+    the entry's block (:func:`grid_tolerance`)."""
+    iu = np.triu_indices(p)
+    z = rng.normal(size=len(iu[0]) + p * C)
+    e = np.where(iu[0] == iu[1], scale.a_diagonal, scale.a_off_diagonal) * (1 + GRID_MARGIN) * z[:len(iu[0])]
+    E = np.zeros((p, p))
+    E[iu] = e
+    return E + np.triu(E, 1).T, scale.b * (1 + GRID_MARGIN) * z[len(iu[0]):].reshape(p, C)
+
+
+def grid_tolerance(sensitivity) -> tuple[float, float]:
+    """(A's, B's) bound on how far the grid's rounding moves an entry: Δ·2^-20 ≥ g√d ≥ g."""
+    return sensitivity.a * GRID_MARGIN, sensitivity.b * GRID_MARGIN

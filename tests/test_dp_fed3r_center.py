@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from ops_fleet import Features, kept_windows
-from ssp_reference import ssp_weights
+from ssp_reference import GRID_MARGIN, grid_tolerance, release_noise, ssp_weights
 from stateful_jobs import run_round
 
 from aggregator.jobs.registry import build_job
@@ -53,9 +53,11 @@ def test_center_and_centred_solve_equal_a_numpy_reference():
     noisy.release()
     assert not noisy.centering and noisy.n_contributions == 0 and noisy.releases == 0   # nothing of the model released
     rng = np.random.default_rng(3)                                    # the reference draws the same noise
-    column = np.r_[clip(Z0, F).sum(axis=0), len(Z0)] + rng.normal(0.0, z * N * math.hypot(F, 1.0), D + 1)
+    sensitivity = N * math.hypot(F, 1.0)                              # z(1 + 2^-20)Δ_c: the grid's rounding counted
+    column = np.r_[clip(Z0, F).sum(axis=0), len(Z0)] + rng.normal(0.0, z * sensitivity * (1 + GRID_MARGIN), D + 1)
     mu = column[:-1] / column[-1]
-    np.testing.assert_allclose(center.value, mu, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(center.value, mu, rtol=0, atol=2 * sensitivity * GRID_MARGIN / column[-1])
+    mu = center.value                                                 # its bits: the rows below are centred by them
 
     rows = clip(Z1 - mu, Fc)
     stats, A, B = stats_of(rows, y1)
@@ -63,14 +65,14 @@ def test_center_and_centred_solve_equal_a_numpy_reference():
     noisy.release()
     model = noisy.solve()
     scale = mechanism.scale()                                         # ssp's noise, as tests/test_dp_fed3r_ssp.py
-    p, iu = D + 1, np.triu_indices(D + 1)
-    e = rng.normal(0.0, scale.a_off_diagonal, len(iu[0]))
-    e[iu[0] == iu[1]] = rng.normal(0.0, scale.a_diagonal, p)
-    E = np.zeros((p, p))
-    E[iu] = e
-    E = E + np.triu(E, 1).T
-    noisy_b = B + rng.normal(0.0, scale.b, (p, C))
-    W = ssp_weights(A + E, noisy_b, scale.a_off_diagonal, lam)
+    p = D + 1
+    E, noise_b = release_noise(scale, p, C, rng)
+    noisy_b = B + noise_b
+    grid_a, grid_b = grid_tolerance(mechanism.sensitivity)
+    np.testing.assert_allclose(noisy.released.A.numpy(), A + E, rtol=0, atol=grid_a)
+    np.testing.assert_allclose(noisy.released.B.numpy(), noisy_b, rtol=0, atol=grid_b)
+    # the solve of the released sums (just checked against the sums plus the reference noise)
+    W = ssp_weights(noisy.released.A.numpy(), noisy.released.B.numpy(), scale.a_off_diagonal, lam)
     norms = np.linalg.norm(W[:-1], axis=0)
     coef, bias = (W[:-1] / norms).T, W[-1] / norms
     np.testing.assert_allclose(model.coef_, coef, rtol=1e-7, atol=1e-10)

@@ -24,6 +24,7 @@ from protocols.payloads.fed3r import KIND
 from protocols.rounds import RoundClosed
 from protocols.topics import Topics
 
+from ssp_reference import grid_tolerance, release_noise
 from test_dp_fed3r_center import config as center_config, handlers
 
 DEVICES = [f"cam-{i}" for i in range(9)]
@@ -143,9 +144,11 @@ def test_shards_release_dp_fed3r_rounds_as_one_aggregators_bytes(tmp_path, shard
     rng = np.random.default_rng(5)
     rng.normal(size=CONFIG["feature_dim"] + 1)                               # the center's draw came first
     p = CONFIG["feature_dim"] + 1
-    noise_a, _ = single.strategy.mechanism.scale().draw(p, CONFIG["num_classes"], rng)
-    want = sum(centred)[np.triu_indices(p)] + noise_a
-    np.testing.assert_allclose(single.strategy.released.packed_upper(), want, rtol=1e-12, atol=1e-9)
+    mechanism = single.strategy.mechanism
+    noise_a, _ = release_noise(mechanism.scale(), p, CONFIG["num_classes"], rng)
+    want = sum(centred)[np.triu_indices(p)] + noise_a[np.triu_indices(p)]
+    np.testing.assert_allclose(single.strategy.released.packed_upper(), want, rtol=0,
+                               atol=grid_tolerance(mechanism.sensitivity)[0])
 
 
 def test_a_coordinator_refuses_a_receipt_outside_the_rounds_clip(tmp_path):

@@ -12,7 +12,7 @@ import torch
 from dp_accounting import pld, rdp
 from scipy import stats
 from scipy.stats import norm
-from ssp_reference import spiked_wigner_shrinkage, ssp_weights
+from ssp_reference import grid_tolerance, release_noise, spiked_wigner_shrinkage, ssp_weights
 
 from aggregator.compute.privacy import PLD_DISCRETIZATION, PrivacyAccountant
 from aggregator.jobs.registry import build_job
@@ -38,7 +38,7 @@ def test_ssp_noise_per_block_has_its_stated_scale():
     sens = Fed3RSensitivity.of(3, 2.0, True)
     scale = CalibratedSSP(1.5, sens, b_share=0.3).scale()
     assert scale.a_off_diagonal == pytest.approx(scale.a_diagonal / math.sqrt(2), rel=1e-15)
-    packed, noise_b = scale.draw(p, C, np.random.default_rng(3))
+    packed, noise_b = scale.release(np.zeros(p * (p + 1) // 2), np.zeros((p, C)), sens, np.random.default_rng(3))
     iu = np.triu_indices(p)
     diagonal = iu[0] == iu[1]
     assert chi2_ok(packed[diagonal], scale.a_diagonal)
@@ -61,17 +61,14 @@ def test_ssp_release_and_solve_equal_a_numpy_reference():
     # the reference, from the stddevs of the docstring's formulas
     z, d_a, d_b, s = 2.0, 10.0, math.sqrt(10.0), 0.25
     sigma_a, sigma_b = z * d_a / math.sqrt(1 - s), z * d_b / math.sqrt(s)
-    rng = np.random.default_rng(7)
-    iu = np.triu_indices(p)
-    e = rng.normal(0.0, sigma_a / math.sqrt(2), len(iu[0]))
-    e[iu[0] == iu[1]] = rng.normal(0.0, sigma_a, p)
-    E = np.zeros((p, p))
-    E[iu] = e
-    E = E + np.triu(E, 1).T
-    noisy_b = B + rng.normal(0.0, sigma_b, (p, C))
-    np.testing.assert_allclose(noisy.released.A.numpy(), A + E, rtol=0, atol=1e-9)
-    np.testing.assert_allclose(noisy.released.B.numpy(), noisy_b, rtol=0, atol=1e-9)
-    W = ssp_weights(A + E, noisy_b, sigma_a / math.sqrt(2), lam)
+    assert (mechanism.scale().a_diagonal, mechanism.scale().b) == pytest.approx((sigma_a, sigma_b), rel=1e-15)
+    E, noise_b = release_noise(mechanism.scale(), p, C, np.random.default_rng(7))
+    noisy_b = B + noise_b
+    grid_a, grid_b = grid_tolerance(mechanism.sensitivity)
+    np.testing.assert_allclose(noisy.released.A.numpy(), A + E, rtol=0, atol=grid_a)
+    np.testing.assert_allclose(noisy.released.B.numpy(), noisy_b, rtol=0, atol=grid_b)
+    # the solve of the released sums (just checked against the sums plus the reference noise)
+    W = ssp_weights(noisy.released.A.numpy(), noisy.released.B.numpy(), sigma_a / math.sqrt(2), lam)
     norms = np.linalg.norm(W[:-1], axis=0)
     np.testing.assert_allclose(model.coef_, (W[:-1] / norms).T, rtol=1e-7, atol=1e-10)
     np.testing.assert_allclose(model.intercept_, W[-1] / norms, rtol=1e-7, atol=1e-10)
@@ -96,7 +93,7 @@ def test_ssp_shrinkage_recovers_planted_spikes_and_beats_the_psd_projection():
     truth = planted(p, spikes, 0.05 * edge, seed=1)
     iu = np.triu_indices(p)
     noisy = np.zeros((p, p))
-    noisy[iu] = scale.draw(p, 2, np.random.default_rng(2))[0]
+    noisy[iu] = scale.release(np.zeros(len(iu[0])), np.zeros((p, 2)), mechanism.sensitivity, np.random.default_rng(2))[0]
     noisy = truth + noisy + np.triu(noisy, 1).T
     raw_top = np.linalg.eigvalsh(noisy)[-2:][::-1]
     assert raw_top[1] > 1.5 * edge * 1.08                 # the noise pushed the weaker spike up (E²/(4θ) = E/6)

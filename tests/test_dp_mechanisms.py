@@ -146,7 +146,7 @@ def test_a_dense_gram_matrix_is_bounded_by_its_whole_frobenius_norm_not_its_pack
 
 def test_noisy_fed3r_adds_noise_of_the_stated_scale_once_per_round():
     p, C, sigma = 150, 5, 3.0
-    uniform = UniformGaussian(1.0, Fed3RSensitivity(sigma, 0.0))       # zΔ = σ on every entry
+    uniform = UniformGaussian(1.0, Fed3RSensitivity(0.6 * sigma, 0.8 * sigma))       # zΔ = σ on every entry
     noisy = NoisyFed3R(C, p, 0.1, True, True, uniform, rng=np.random.default_rng(5))
     rng = np.random.default_rng(6)
     Z = rng.normal(size=(100, p))
@@ -160,7 +160,7 @@ def test_noisy_fed3r_adds_noise_of_the_stated_scale_once_per_round():
     assert variance_ratio_ok(np.concatenate([noise_a, noise_b.ravel()]), sigma ** 2)
     noisy.release()                                                # an empty round releases nothing
     assert noisy.releases == 1 and noisy.n_contributions == 1
-    huge = NoisyFed3R(C, p, 1e-3, True, True, UniformGaussian(1.0, Fed3RSensitivity(1e6, 0.0)),
+    huge = NoisyFed3R(C, p, 1e-3, True, True, UniformGaussian(1.0, Fed3RSensitivity(6e5, 8e5)),
                       rng=np.random.default_rng(0))
     huge.add(stats_)
     huge.release()

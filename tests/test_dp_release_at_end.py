@@ -310,7 +310,7 @@ def test_a_draw_that_fails_keeps_the_held_sums(monkeypatch):
     held = s.held.packed_upper().copy()
 
     class Failing:
-        def draw(self, *args):
+        def release(self, *args):
             raise MemoryError("no room for the noise")
 
     monkeypatch.setattr(s.mechanism, "scale", lambda: Failing())

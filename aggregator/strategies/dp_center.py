@@ -12,10 +12,10 @@ within 2 points of no DP.
 How. The job's first round (``dp_center_devices`` devices) is an ordinary DP Fed3R round at the
 clip F, but of its sum only the intercept row is released: s = Σ z_i and n (one device moves
 (s, n) by at most N·F and N, so Δ_c = N √(F² + 1)), with Gaussian noise N(0, (zΔ_c)²) on each of
-the d + 1 entries; μ̂ = s̃ / max(ñ, 1). The rest of those devices' statistics is dropped, never
-released. Under secure aggregation (Fed3R-Sync's distributed DP) the center round's devices send
-only (Σ z, n), each with its share of that noise, and the group's sum is the noisy pair
-(``release_noised``). Every later round's devices subtract μ̂ before clipping at F_c, and the model solved
+the d + 1 entries, on the release grid (``dp_noise.grid_gaussian_release``); μ̂ = s̃ / max(ñ, 1).
+The rest of those devices' statistics is dropped, never released. Under secure aggregation
+(Fed3R-Sync's distributed DP) the center round's devices send only (Σ z, n), each with its share
+of that noise, and the group's sum is the noisy pair (``release_noised``). Every later round's devices subtract μ̂ before clipping at F_c, and the model solved
 from the centred sums is shifted back to raw features: W(z − μ̂) + b = Wz + (b − Wμ̂), so a
 deployed head (and OLL after it) sees the backbone's features as they are.
 
@@ -33,7 +33,7 @@ from protocols.payloads.fed3r import Fed3RStats
 
 from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.strategies.fed3r import Fed3R
-from aggregator.strategies.dp_noise import NoiseSource
+from aggregator.strategies.dp_noise import NoiseSource, grid_gaussian_release
 
 
 class PrivateFeatureCenter:
@@ -77,8 +77,8 @@ class PrivateFeatureCenter:
             self.pending = self._empty()
             return False
         column = self.pending.A[:, -1].cpu().numpy()                 # (Σ z_i, n): A's intercept column
-        return self.release_noised(column + rng.normal(0.0, self.noise_multiplier * self.sensitivity, column.shape),
-                                   self.pending.n_contributions)
+        noisy = grid_gaussian_release(column, self.noise_multiplier * self.sensitivity, self.sensitivity, rng)
+        return self.release_noised(noisy, self.pending.n_contributions)
 
     def release_noised(self, noisy_column: np.ndarray, contributions: int) -> bool:
         """Set the center from (Σ z_i, n) already noised — :meth:`release`'s, or a secure group's sum

@@ -9,10 +9,10 @@ clipped to ‖z‖ ≤ F before the constant-1 bias feature is appended, so ever
 (y_i one-hot; :func:`check_bounded` refuses a contribution beyond these norms, so the bounds
 hold whatever the device did).
 
-Each round's sum gets independent noise and is then added to the released sums; the model is
-solved from released sums only. A device is in one round, so every model the job publishes is
-post-processing of noisy sums each device touched once (parallel composition): the job is one
-Gaussian release. A mechanism (:class:`Fed3RMechanism`) says how that release's noise is spread
+Each round's sum gets independent noise, on the release grid (``dp_noise.grid_gaussian_release``),
+and is then added to the released sums; the model is solved from released sums only. A device is
+in one round, so every model the job publishes is post-processing of noisy sums each device
+touched once (parallel composition): the job is one Gaussian release. A mechanism (:class:`Fed3RMechanism`) says how that release's noise is spread
 over the entries and how the model is solved; its noise multiplier z is the Gaussian mechanism's
 of the whole release (noise of unit variance on entries scaled by their stddev, whose
 sensitivity is 1/z: :meth:`NoiseScale.noise_multiplier`).
@@ -55,7 +55,8 @@ from protocols.payloads.fed3r import Fed3RStats, packed_diagonal
 from aggregator.compute.ridge import ClosedFormRidge
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.strategies.dp_center import PrivateFeatureCenter, uncentred
-from aggregator.strategies.dp_noise import CENTER_RELEASE, MODEL_RELEASE, NoiseSource, noise_for, noise_source
+from aggregator.strategies.dp_noise import (CENTER_RELEASE, MODEL_RELEASE, NoiseSource, grid_gaussian_release_all,
+                                            noise_for, noise_source)
 from aggregator.strategies.fed3r import Fed3R
 
 # torch is imported where it is used, not here: the job registry imports this module, and a
@@ -119,6 +120,13 @@ def check_bounded(stats: Fed3RStats, max_samples: int, feature_clip_norm: float,
                          f"n={stats.n}, F={feature_clip_norm}): features not clipped on the device")
 
 
+def packed_per_entry(p: int, diagonal: float, off_diagonal: float) -> np.ndarray:
+    """One number per entry of A's packed upper triangle: ``diagonal`` on its diagonal."""
+    packed = np.full(p * (p + 1) // 2, off_diagonal)
+    packed[packed_diagonal(p)] = diagonal
+    return packed
+
+
 @dataclass(frozen=True)
 class NoiseScale:
     """The stddev of one release's noise on each kind of entry: A's diagonal, A's off-diagonal, B."""
@@ -149,11 +157,19 @@ class NoiseScale:
         sum of ``releases`` independent draws has √releases times the stddev."""
         return 2.0 * self.a_off_diagonal * math.sqrt(p * max(releases, 1))
 
-    def draw(self, p: int, num_classes: int, rng: NoiseSource) -> tuple[np.ndarray, np.ndarray]:
-        """(noise of the packed upper triangle, noise of B (p × C))."""
-        packed = rng.normal(0.0, self.a_off_diagonal, p * (p + 1) // 2)
-        packed[packed_diagonal(p)] = rng.normal(0.0, self.a_diagonal, p)
-        return packed, rng.normal(0.0, self.b, (p, num_classes))
+    def release(self, a_upper: np.ndarray, b: np.ndarray, sensitivity: Fed3RSensitivity,
+                rng: NoiseSource) -> tuple[np.ndarray, np.ndarray]:
+        """(packed A, B (p × C)) with this noise added, as one release on the grid
+        (``dp_noise.grid_gaussian_release``). Each block's entries are given the block's own
+        sensitivity: Δ_A on A's diagonal, Δ_A/√2 off it (the packed triangle holds each off-diagonal
+        entry once, half its weight in ‖A‖_F²), Δ_B on B. The mean of (Δ_i/σ_i)² over the d entries is
+        then at most 1/z² (:meth:`noise_multiplier`'s bound, each block's share weighted by its count
+        ≤ d), what the grid's rule needs."""
+        p = b.shape[0]
+        stddev = {"a": packed_per_entry(p, self.a_diagonal, self.a_off_diagonal), "b": self.b}
+        share = {"a": packed_per_entry(p, sensitivity.a, sensitivity.a / math.sqrt(2.0)), "b": sensitivity.b}
+        released = grid_gaussian_release_all({"a": a_upper, "b": b}, stddev, share, rng)
+        return released["a"], released["b"]
 
 
 class Fed3RMechanism(ABC):
@@ -347,10 +363,10 @@ class NoisyFed3R:
         return True
 
     def _noise_into_released(self, sums: Fed3R) -> None:
-        noise_a, noise_b = self.mechanism.scale().draw(sums.p, sums.num_classes,
-                                                       noise_for(self.rng, MODEL_RELEASE, self.releases))
-        self.add_noised(sums.packed_upper() + noise_a, (sums.B.cpu().numpy() + noise_b).T, sums.n_samples,
-                        sums.n_contributions)
+        noisy_a, noisy_b = self.mechanism.scale().release(sums.packed_upper(), sums.B.cpu().numpy(),
+                                                          self.mechanism.sensitivity,
+                                                          noise_for(self.rng, MODEL_RELEASE, self.releases))
+        self.add_noised(noisy_a, noisy_b.T, sums.n_samples, sums.n_contributions)
 
     @property
     def unreleased(self) -> bool:

@@ -20,6 +20,10 @@ contributes the bit b_k = 1[‖Δ_k‖ ≤ C]; the noisy fraction
 moves C geometrically towards the γ-quantile of the update norms. The bit sum has sensitivity ½,
 so the two Gaussian releases together equal one with multiplier z when
 z_Δ = (z⁻² − (2σ_b)⁻²)^(−½) (their Eq. 4): the accountant sees z either way.
+
+Both releases are drawn on an integer grid, never as a float added to a float
+(``dp_noise.grid_gaussian_release``: the floating-point attack on Gaussian samplers, and why
+the grid's rounding costs nothing the accountant does not see).
 """
 
 from __future__ import annotations
@@ -32,8 +36,12 @@ import numpy as np
 
 from protocols.clipping import clip_update
 
-from aggregator.strategies.dp_noise import MODEL_RELEASE, NoiseSource, noise_for, noise_source
+from aggregator.strategies.dp_noise import (MODEL_RELEASE, NoiseSource, grid_gaussian_release,
+                                            grid_gaussian_release_all, noise_for, noise_source)
 from aggregator.strategies.fedavg import Params, ServerOptimizer
+
+
+COUNT_SENSITIVITY = 0.5      # adaptive clipping's Σ (b_k − ½) moves by ½ when one device comes or goes
 
 
 class ClipNorm(ABC):
@@ -82,7 +90,8 @@ class AdaptiveClipNorm(ClipNorm):
 
     def observe(self, unclipped: int, count: int, expected: int, rng: NoiseSource) -> None:
         centred = unclipped - 0.5 * count          # Σ (b_k − ½), exact: halves of small integers
-        fraction = (centred + rng.normal(0.0, self.count_stddev)) / expected + 0.5
+        noisy = float(grid_gaussian_release(centred, self.count_stddev, COUNT_SENSITIVITY, rng))
+        fraction = noisy / expected + 0.5
         self.value *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
 
 
@@ -114,7 +123,7 @@ class ClippedSum:
 
 class ClippedGaussianSum:
     """The DP-FedAvg mechanism: per-device clipping to C and one Gaussian release of the sum per
-    round, N(0, (z_Δ C)² I) on every slot (shared by DP-FedAvg and DP-LADD).
+    round, N(0, (z_Δ C)² I) on every slot on the release grid (shared by DP-FedAvg and DP-LADD).
 
     ``rng`` is the noise source (OS entropy by default; a seeded generator only in tests, since
     anyone knowing the seed can subtract the noise)."""
@@ -143,7 +152,8 @@ class ClippedGaussianSum:
         ``aggregator/shards/fedavg_sums.py``)."""
         stddev = self.update_multiplier * clip_norm
         rng = noise_for(self.rng, MODEL_RELEASE, self.releases)     # seeded (tests): the same after a restart
-        noisy = {k: s + rng.normal(0.0, stddev, s.shape) for k, s in total.items()}
+        # all slots are one release of sensitivity C (d: every entry of every slot), on the grid
+        noisy = grid_gaussian_release_all(total, stddev, clip_norm, rng)
         self.clip.observe(unclipped, count, expected, rng)
         self.releases += 1
         return noisy
