@@ -2,11 +2,14 @@
 
 The screen (``aggregator/strategies/robust_fed3r.EnergyScreen``) names a device whose energy per
 sample e_k (mean squared feature norm) exceeds (ratio + slack/√n_k) × the fleet's class-balanced
-median (each device grouped by its dominant class). This prints, for the demo, fleet-10k and fleet-100k splits of Fashion-MNIST (MobileNetV2 features at
+median (each device grouped by its dominant class; the largest such median of the fleet without any
+one other device, ``EnergyScreen.judged_medians``). This prints, for the demo, fleet-10k and fleet-100k splits of Fashion-MNIST (MobileNetV2 features at
 32 px, computed once and cached in .cache/features) and three seeds each, per sample-count bucket:
 the devices, the worst honest ratio e_k / median, and the screen's limit at the bucket's smallest n
 — honest fleets pass when every worst ratio is below its limit (the "margin" column is limit /
-worst). It also prints the per-image tail that sets the slack.
+worst). It also prints the per-image tail that sets the slack, and the other side: of up to
+``--probe`` devices of each bucket (at random), how many would be screened with features scaled by 2
+(4x their energy, the rest of the fleet unchanged).
 
 Usage: nice -n 10 .venv/bin/python bench/energy_screen_margin.py [--seeds 3]
 """
@@ -41,9 +44,18 @@ def image_energies() -> np.ndarray:
     return (Z ** 2).sum(1)
 
 
+def scaled_by_two_is_screened(screen, energies: np.ndarray, samples: np.ndarray, dominant: dict, device: int) -> bool:
+    """Whether ``device`` with its features scaled by 2 (4x its energy) would be screened."""
+    scaled = dict(enumerate(energies))
+    scaled[device] *= 4
+    n = {i: int(k) for i, k in enumerate(samples)}
+    return device in screen.outliers(scaled, n, dominant)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--probe", type=int, default=20, help="devices a bucket scaled by 2 (each a re-screen)")
     args = ap.parse_args()
     screen = Fed3RConfig(num_classes=10, feature_dim=1280).energy_screen()   # the job defaults
     energy = image_energies()
@@ -52,8 +64,9 @@ def main() -> None:
           f"99.9%: {np.quantile(energy, .999) / median:.2f}  max: {energy.max() / median:.2f}  "
           f"(screen limit at n = 1: {screen.limit_ratio(1):.2f})")
     print(f"screen: ratio {screen.ratio} + slack {screen.sample_slack} / sqrt(n)\n")
-    print(f"{'preset':<11} {'seed':>4}  {'n':>7} {'devices':>7} {'worst':>6} {'limit':>6} {'margin':>6}")
-    worst_margin = np.inf
+    print(f"{'preset':<11} {'seed':>4}  {'n':>7} {'devices':>7} {'worst':>6} {'limit':>6} {'margin':>6} "
+          f"{'x2 screened':>11}")
+    worst_margin, rng = np.inf, np.random.default_rng(0)
     for name in ("demo", "fleet-10k", "fleet-100k"):
         for seed in range(args.seeds):
             cfg = dataclasses.replace(PRESETS[name], seed=seed)
@@ -63,15 +76,18 @@ def main() -> None:
             n = np.array([len(p) for p in parts])
             # the screen's class-balanced median, each device grouped by its dominant class
             dominant = {i: int(np.bincount(ytr[train_idx[p]], minlength=10).argmax()) for i, p in enumerate(parts)}
-            ratio = e / screen.median(dict(enumerate(e)), dominant)
+            judged = screen.judged_medians(dict(enumerate(e)), dominant)
+            ratio = e / np.array([judged[i] for i in range(len(e))])
             for lo, hi in BUCKETS:
                 inside = (n >= lo) & (n <= hi)
                 if not inside.any():
                     continue
                 worst, limit = ratio[inside].max(), screen.limit_ratio(lo)
                 worst_margin = min(worst_margin, limit / worst)
+                probed = rng.permutation(np.flatnonzero(inside))[:args.probe]
+                caught = sum(scaled_by_two_is_screened(screen, e, n, dominant, int(i)) for i in probed)
                 print(f"{name:<11} {seed:>4}  {f'{lo}-{hi}' if hi < 10**9 else f'{lo}+':>7} {inside.sum():>7} "
-                      f"{worst:>6.2f} {limit:>6.2f} {limit / worst:>6.2f}")
+                      f"{worst:>6.2f} {limit:>6.2f} {limit / worst:>6.2f} {f'{caught}/{len(probed)}':>11}")
     print(f"\nsmallest margin (limit / worst honest ratio) over every preset, seed and bucket: {worst_margin:.2f}"
           f" ({'no honest device screened' if worst_margin > 1 else 'HONEST DEVICES SCREENED'})")
 
