@@ -107,15 +107,25 @@ def test_no_centroid_is_left_without_members_when_k_exceeds_the_distinct_styles(
 
 
 # ----------------------------------------------------------------------------- the style screen
-def _reference_screen(X, multiple):
-    """The screen in plain numpy, independently: rows whose nearest other row is farther than
-    multiple x the lower-middle distance of the rows from their coordinate-wise median."""
-    X = np.asarray(X, np.float64).reshape(len(X), -1)
+def _reference_spread(X):
+    """The lower-middle distance of the rows from their coordinate-wise median."""
     d = np.sqrt(((X - np.median(X, axis=0)) ** 2).sum(axis=1))
-    spread = np.sort(d)[(len(d) - 1) // 2]
+    return np.sort(d)[(len(d) - 1) // 2]
+
+
+def _reference_screen(X, multiple, min_styles=4):
+    """The screen in plain numpy, independently: rows whose nearest other row is farther than
+    multiple x the lower-middle distance of the rows from their coordinate-wise median, in the fleet
+    and in every fleet without one other row (each of at least ``min_styles`` rows and of a distance
+    above 0)."""
+    X = np.asarray(X, np.float64).reshape(len(X), -1)
     pair = np.sqrt(((X[:, None, :] - X[None, :, :]) ** 2).sum(axis=2))
     np.fill_diagonal(pair, np.inf)
-    return sorted(np.flatnonzero(pair.min(axis=1) > multiple * spread).tolist())
+    if len(X) - 1 < min_styles:
+        return []
+    fleets = {j: _reference_spread(np.delete(X, j, axis=0)) for j in range(len(X))} | {"all": _reference_spread(X)}
+    return [i for i in range(len(X))
+            if all(0 < spread and pair[i].min() > multiple * spread for j, spread in fleets.items() if j != i)]
 
 
 def _reference_clustering(X, k_range=(2, 8), n_init=10, seed=0):
@@ -202,15 +212,40 @@ def test_honest_benchmark_fleets_lose_no_style_to_the_screen(image_size, domains
     assert model.silhouette_scores_ == off.silhouette_scores_
 
 
+def test_one_style_at_the_median_gets_no_honest_style_screened():
+    """A review's finding (Fed3R's energy screen, the same shape here): one style placed at the
+    coordinate-wise median adds a distance of 0 and takes the typical distance down a rank. Honest
+    styles at 1, 2, 4 and 5 from the median have typical distance 4, and a lone one 12 beyond its
+    nearest (3x) is kept; with the added style the typical distance was 2 (6x, limit 4x) and it was
+    screened. Judged by the fleet without the added style, it is kept; the added style's own
+    verdict is the reference's (every fleet without one other style)."""
+    from aggregator.strategies.ladd import screen_styles
+
+    honest = np.array([[0.0, 1.0], [-2.0, 0.0], [0.0, -4.0], [5.0, 0.0], [17.0, 0.0]])
+    assert screen_styles(honest) == {} and _reference_screen(honest, 4.0) == []
+    with_liar = np.vstack([honest, [[0.0, 0.0]]])
+    assert _reference_spread(with_liar) == 2.0 and _reference_spread(honest) == 4.0
+    assert screen_styles(with_liar) == {} and _reference_screen(with_liar, 4.0) == []
+    far = np.vstack([with_liar, [[100.0, 0.0]]])                # a style 83 beyond everyone still is
+    assert list(screen_styles(far)) == [6] == _reference_screen(far, 4.0)
+    assert "the largest without any one other style" in screen_styles(far)[6]
+    rng = np.random.default_rng(3)
+    for _ in range(30):                       # random fleets, far styles among them: the reference's verdicts
+        styles = np.concatenate([rng.normal(0, 1, (rng.integers(3, 9), 3)), rng.normal(0, 40, (rng.integers(0, 3), 3))])
+        assert sorted(screen_styles(styles)) == _reference_screen(styles, 4.0)
+
+
 def test_screen_edge_cases():
     from aggregator.strategies.ladd import StyleClustering, screen_styles
 
     rng = np.random.default_rng(7)
     three = np.array([[0.0, 0.0], [1.0, 0.0], [1000.0, 0.0]])
     assert screen_styles(three) == {}                           # three styles: k = 2 is the only choice
-    four = np.vstack([three, [[0.5, 0.5]]])
-    assert list(screen_styles(four)) == [2] == _reference_screen(four, 4.0)
-    pair = np.vstack([four, [[1000.0, 1.0]]])                   # two alike far styles: a group, kept
+    four = np.vstack([three, [[0.5, 0.5]]])                     # any one of them may be why there are four
+    assert screen_styles(four) == {} and _reference_screen(four, 4.0) == []
+    five = np.vstack([four, [[0.0, 1.0]]])
+    assert list(screen_styles(five)) == [2] == _reference_screen(five, 4.0)
+    pair = np.vstack([five, [[1000.0, 1.0]]])                   # two alike far styles: a group, kept
     assert screen_styles(pair) == {}
     same = np.vstack([np.ones((5, 3)), [[50.0, 50.0, 50.0]]])   # typical distance 0: nothing to judge by
     assert screen_styles(same) == {}
@@ -218,7 +253,7 @@ def test_screen_edge_cases():
     assert screen_styles(blobs) == {}
     for bad in (1.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="screen multiple"):
-            screen_styles(four, bad)
+            screen_styles(five, bad)
     # blocks of rows (1,200 styles: 129 rows a block, large fleets stay O(n) in memory) give each
     # row's distances computed alone, bit for bit
     from aggregator.strategies.ladd import nearest_other_distance
@@ -230,6 +265,6 @@ def test_screen_edge_cases():
         nearest.append(d.min())
     np.testing.assert_array_equal(nearest_other_distance(big), nearest)
     # a screened style leaves a one-cluster fallback's centroid alone too
-    lone = StyleClustering((1, 1)).fit(four)
-    np.testing.assert_allclose(lone.cluster_centers_[0], four[[0, 1, 3]].mean(axis=0))
+    lone = StyleClustering((1, 1)).fit(five)
+    np.testing.assert_allclose(lone.cluster_centers_[0], five[[0, 1, 3, 4]].mean(axis=0))
     assert list(lone.screened_) == [2] and set(lone.labels_) == {0}
