@@ -128,31 +128,64 @@ def typical_spread_without_another(X: np.ndarray) -> np.ndarray:
     limit). The fleet's own is a candidate too: removing a style also moves the median, so a fleet
     without an honest style can have a smaller typical distance (an attacker beside sunset + rain, 5
     devices each, at 4.9x the fleet's: 7.5-8.7x the largest without another), and the screen must
-    not judge anyone more harshly than before. Each j's fleet recomputed: O(n²·d), as
-    :func:`nearest_other_distance`."""
-    def spread(rows: np.ndarray) -> float:
-        return typical(np.linalg.norm(rows - np.median(rows, axis=0), axis=1))
-
-    without = np.array([spread(np.delete(X, j, axis=0)) for j in range(len(X))])
+    not judge anyone more harshly than before. The same bits as recomputing each j's fleet from
+    scratch (np.median, then its distances), in O(n·d·log n + n²·d) like :func:`nearest_other_distance`
+    (was O(n²·d·log n): 39 s at n = 2000, d = 300): the columns sorted once
+    (:func:`medians_without_each`), then the distances in the same blocks."""
+    medians = medians_without_each(X)
+    lower_middle = (len(X) - 2) // 2            # ``typical``'s index among the n - 1 rows of j's fleet
+    without = np.empty(len(X))
+    for start, d in _distance_blocks_to_others(medians, X):
+        # row j's own entry is inf, the largest: the lower middle of the other n - 1 is unchanged
+        without[start:start + len(d)] = np.partition(d, lower_middle, axis=1)[:, lower_middle]
     without[without <= 0] = np.inf
     top = np.argsort(-without, kind="stable")[:2]
     best = np.full(len(X), without[top[0]])
     best[top[0]] = without[top[1]]
-    own = spread(X)
+    own = typical(np.linalg.norm(X - np.median(X, axis=0), axis=1))
     return np.maximum(best, own if own > 0 else np.inf)
 
 
+def medians_without_each(X: np.ndarray) -> np.ndarray:
+    """Row j: ``np.median(np.delete(X, j, axis=0), axis=0)``, bit for bit, for every j (n >= 2) in
+    O(n·d·log n). Per column, the median of the other n - 1 values is their one or two middle order
+    statistics, read from the column sorted once: the k-th smallest of the others is the sorted
+    column's k-th, or its (k+1)-th where row j's own value sits at or below it (among equal values
+    any order gives the same values). Averaged by the same ``np.mean`` as np.median (its sum starts
+    from 0.0: a median of -0.0 alone is +0.0)."""
+    order = np.argsort(X, axis=0, kind="stable")
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(len(X))[:, None], axis=0)
+    ordered = np.take_along_axis(X, order, axis=0)
+    others = len(X) - 1
+    middle = [(others - 1) // 2] if others % 2 else [others // 2 - 1, others // 2]
+    middles = np.stack([np.take_along_axis(ordered, k + (ranks <= k), axis=0) for k in middle])
+    return np.mean(middles, axis=0)
+
+
 def nearest_other_distance(X: np.ndarray) -> np.ndarray:
-    """Each row's Euclidean distance to its nearest other row (blocks of rows: memory O(n), each
-    distance computed alone, so the same bits whatever the order or the block size)."""
+    """Each row's Euclidean distance to its nearest other row (in blocks, each distance computed
+    alone: the same bits whatever the order or the block size, :func:`_distance_blocks_to_others`)."""
     out = np.empty(len(X))
+    for start, d in _distance_blocks_to_others(X, X):
+        out[start:start + len(d)] = d.min(axis=1)
+    return out
+
+
+def _distance_blocks_to_others(centres: np.ndarray, X: np.ndarray):
+    """(start, the Euclidean distances of centres[start:start + block] to every row of X, inf at
+    row start + k of block row k: a row is not its own other), in blocks of about 2²² differences
+    (one row where a row alone is more), so memory stays O(n·d) however large the fleet. Each
+    distance computed alone by direct subtraction (no |a|² + |b|² - 2a·b expansion, whose rounding
+    depends on the other rows): the same bits whatever the order or the block size, which a shard
+    coordinator relies on, and as ``np.linalg.norm`` of the differences (the sign of a difference
+    does not change its square)."""
     block = max(1, 2 ** 22 // max(1, len(X) * X.shape[1]))
-    for start in range(0, len(X), block):
-        rows = X[start:start + block]
+    for start in range(0, len(centres), block):
+        rows = centres[start:start + block]
         d = np.sqrt(((rows[:, None, :] - X[None, :, :]) ** 2).sum(axis=2))
         d[np.arange(len(rows)), np.arange(start, start + len(rows))] = np.inf
-        out[start:start + block] = d.min(axis=1)
-    return out
+        yield start, d
 
 
 class StyleClustering:
