@@ -205,6 +205,31 @@ def test_a_foreign_entry_under_the_next_payload_name_is_passed_over_never_writte
     assert reopened.add_contribution("j", 1, "dev04", "m4", b"four") == 7          # no number given twice
 
 
+def test_a_hard_link_under_a_spare_payload_name_is_passed_over_and_its_file_left_whole(tmp_path, caplog):
+    """A review's finding: a spare name replaced by a hard link to another file (no symbolic link, so
+    O_NOFOLLOW let it through) was opened with O_TRUNC, which emptied that other file, and the payload
+    was written into it. The name is passed over as a link is, and the other file keeps its bytes."""
+    store = new_store(tmp_path / "state.db")
+    first = store.add_contribution("j", 1, "dev01", "m1", b"first")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("an operator's file")
+    spare = store.blobs.path(first + 1)
+    spare.unlink()
+    os.link(precious, spare)
+    with caplog.at_level(logging.WARNING, logger="fedfleet.aggregator"):
+        second = store.add_contribution("j", 1, "dev02", "m2", b"second")
+    assert second == first + 2
+    assert precious.read_text() == "an operator's file"
+    assert any("hard link" in r.getMessage() and str(spare) in r.getMessage() for r in caplog.records), caplog.text
+    assert [(c.device, c.payload) for c in store.contributions("j")] == [("dev01", b"first"), ("dev02", b"second")]
+    later_spare = store.blobs.path(second + 1)          # above the mark: opening empties such a name...
+    later_spare.unlink()
+    os.link(precious, later_spare)
+    reopened = Store(tmp_path / "state.db")             # ...but a hard link's name goes, its file stays
+    assert precious.read_text() == "an operator's file" and not later_spare.exists()
+    assert [(c.device, c.payload) for c in reopened.contributions("j")] == [("dev01", b"first"), ("dev02", b"second")]
+
+
 def test_a_name_a_committed_delete_cannot_remove_is_logged_and_the_delete_stands(tmp_path, caplog):
     """A review's finding: a folder under a deleted row's name raised IsADirectoryError after the
     delete committed, so ``device forget`` reported a failure although the forget had committed.

@@ -48,7 +48,7 @@ class BlobFileError(OSError):
 
 class BlobNameTaken(BlobFileError):
     """A new payload's name holds what no store made there (a folder holding files, which the sweep
-    leaves alone; a link or a FIFO put there since the store opened): nothing was written."""
+    leaves alone; a link, a hard link or a FIFO put there since the store opened): nothing was written."""
 
 
 class BlobFiles:
@@ -77,19 +77,27 @@ class BlobFiles:
         """Write ``data`` as the payload of row ``seq``, into its name made durable beforehand. The name
         may hold bytes of no row (a seq whose insert never committed is given again): they are replaced.
         A failed write leaves the file empty. :class:`BlobNameTaken` where the name is no regular
-        file (never written through, never waited on)."""
+        file of its own (a link, a FIFO, a folder, a hard link: never written through, never waited on)."""
         path = self.path(seq)
         try:
             try:
-                fd = open_regular_fd(path, _WRITE | os.O_TRUNC, follow_links=False)
+                fd = open_regular_fd(path, _WRITE, follow_links=False)
             except FileNotFoundError:
                 self._create_names(seq)
-                fd = open_regular_fd(path, _WRITE | os.O_TRUNC, follow_links=False)
+                fd = open_regular_fd(path, _WRITE, follow_links=False)
         except OSError as exc:
             if (why := not_regular(exc)) is None:
                 raise
             raise BlobNameTaken(f"payload name {path} {why}: no file of this store's (remove it)") from None
+        # truncated only once it is known to be the store's own: a hard link put under a spare name
+        # shares its file with another name, and O_TRUNC at open emptied that other file (a review's
+        # finding, as the links and FIFOs above)
+        if os.fstat(fd).st_nlink != 1:
+            os.close(fd)
+            raise BlobNameTaken(f"payload name {path} is not a regular file of its own (a hard link): "
+                                "no file of this store's (remove it)")
         try:
+            os.ftruncate(fd, 0)
             if not (self.direct and len(data) >= self.DIRECT_FROM and self._write_direct(fd, data)):
                 view = memoryview(data)
                 while view:
@@ -189,8 +197,8 @@ class BlobFiles:
         """Remove the bytes of no row in ``live`` (a crash between a file and its row's commit, or between
         a delete's commit and the file's removal): a file of a seq up to ``high`` (the AUTOINCREMENT mark:
         never given again) is deleted, one above it is emptied (a spare again). Returns (files that held
-        such bytes, sorted seqs of ``live`` with no file). A link or another node (a FIFO) under a
-        payload name of no row is removed itself, never followed; an empty folder there too; one
+        such bytes, sorted seqs of ``live`` with no file). A link, a hard link or another node (a FIFO)
+        under a payload name of no row is removed itself, never followed nor emptied; an empty folder there too; one
         holding files, and other names in the directory, are left alone. A live row's name that is no
         regular file counts as missing (:meth:`read` refuses it)."""
         dropped, present = 0, set()
@@ -210,10 +218,12 @@ class BlobFiles:
                         os.rmdir(entry.path)
                     continue
                 # a link or node goes itself, never what it points at (truncating through a link
-                # emptied its target: an operator's file, the DB)
-                size = entry.stat(follow_symlinks=False).st_size if regular else 1
+                # emptied its target: an operator's file, the DB); so does a hard link, whose file
+                # another name shares
+                info = entry.stat(follow_symlinks=False)
+                size = info.st_size if regular else 1
                 dropped += size > 0
-                if seq <= high or not regular:
+                if seq <= high or not regular or info.st_nlink != 1:
                     os.unlink(entry.path)
                 elif size:
                     os.truncate(entry.path, 0)
