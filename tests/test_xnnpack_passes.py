@@ -2,7 +2,9 @@
 rewrite, so the program is byte for byte what ExecuTorch's full pass list gives, on a network holding
 no trigger (none of them run) and on one holding some; and each trigger keeps its pass. Only the
 thread inside ``only_applicable_passes`` gets the shortened list, however blocks overlap (checked on
-the pass manager the backend builds, no lowering).
+the pass manager the backend builds, no lowering). The partitioner the exporter lowers with
+(executorch_export.xnnpack_partitioner) decomposes a graph holding none of the ops it keeps whole once
+less than ExecuTorch's own, for the same bytes.
 """
 
 from __future__ import annotations
@@ -81,35 +83,60 @@ class NoTrigger(nn.Module):
         return self.linear(nn.functional.relu6(self.conv(x)).mean((2, 3)))
 
 
-def lowered(model, monkeypatch, stock: bool) -> tuple[bytes, list[str]]:
-    """The program's bytes, and the skippable passes that ran (the applicable lists' union)."""
+def lowered(model, monkeypatch, stock: bool) -> tuple[bytes, list[str], int]:
+    """The program's bytes, the skippable passes that ran (the applicable lists' union), and how many
+    times the graph was decomposed for the partitioner (not counting the exports the pattern passes
+    make of their own graphs). ``stock``: ExecuTorch's full pass list and its own partitioner."""
+    import executorch.exir.program._program as program_module
+
     ran: list[str] = []
+    decompositions, for_partitioner = [], []
     real = xnnpack_passes.applicable_passes
+    real_decompose = torch.export.ExportedProgram.run_decompositions
+    real_edge_manager = program_module._gen_edge_manager_for_partitioners
 
     def recording(passes, graph):
         kept = real(passes, graph)
         ran.extend(p.__name__ for p in kept if p.__name__ in xnnpack_passes.SKIPPABLE)
         return kept
 
+    def counting(self, *args, **kwargs):
+        if for_partitioner:             # inside the lowering's own decompositions
+            decompositions.append(1)
+        return real_decompose(self, *args, **kwargs)
+
+    def edge_manager(*args, **kwargs):
+        for_partitioner.append(1)
+        try:
+            return real_edge_manager(*args, **kwargs)
+        finally:
+            for_partitioner.clear()
+
     with monkeypatch.context() as patch:
         patch.setattr(xnnpack_passes, "applicable_passes", recording)
+        patch.setattr(torch.export.ExportedProgram, "run_decompositions", counting)
+        patch.setattr(program_module, "_gen_edge_manager_for_partitioners", edge_manager)
         if stock:
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
             patch.setattr(executorch_export, "only_applicable_passes", contextlib.nullcontext)
+            patch.setattr(executorch_export, "xnnpack_partitioner", XnnpackPartitioner)
         torch.manual_seed(0)
         # a fixed batch of one: with a dynamic batch XNNPACK leaves the upsampling undelegated
         program = lower_inference_program(model.eval(), torch.randn(1, 3, 8, 8), max_batch=1)
-    return program.buffer, ran
+    return program.buffer, ran, len(decompositions)
 
 
 def test_a_network_where_some_passes_run_and_others_are_skipped_gives_the_stock_bytes(monkeypatch):
     """BatchNorm, concatenation and upsampling rewritten; the attention, 1-d convolution and PReLU
-    passes skipped."""
+    passes skipped. Bilinear upsampling is an op the partitioner keeps whole: decomposed as often."""
     model = Upsampling()
-    stock, _ = lowered(model, monkeypatch, stock=True)
-    mine, ran = lowered(model, monkeypatch, stock=False)
+    stock, _, stock_decompositions = lowered(model, monkeypatch, stock=True)
+    mine, ran, decompositions = lowered(model, monkeypatch, stock=False)
     assert sorted(ran) == ["ConvertToUpsampleBilinear2d", "DecomposeBatchNorm", "DecomposeConcatenate",
                            "FuseBatchNormPass"]
     assert mine == stock
+    assert decompositions == stock_decompositions
 
 
 def test_a_one_dimensional_convolution_keeps_its_pass(monkeypatch):
@@ -118,12 +145,15 @@ def test_a_one_dimensional_convolution_keeps_its_pass(monkeypatch):
 
 def test_a_batch_norm_decomposed_into_a_1d_convolution_keeps_the_pass_that_makes_it_2d(monkeypatch):
     """A review's finding: the triggers were read off the graph before any pass ran, and the 1-d
-    convolution DecomposeBatchNorm makes was left 1-d (the lowering failed; the stock list lowers it)."""
+    convolution DecomposeBatchNorm makes was left 1-d (the lowering failed; the stock list lowers it).
+    Like the backbones' feature extractors, the network holds no op the partitioner keeps whole
+    (executorch_export.xnnpack_partitioner): it is decomposed once less than the stock partitioner does."""
     model = FeatureNorm()
-    stock, _ = lowered(model, monkeypatch, stock=True)
-    mine, ran = lowered(model, monkeypatch, stock=False)
+    stock, _, stock_decompositions = lowered(model, monkeypatch, stock=True)
+    mine, ran, decompositions = lowered(model, monkeypatch, stock=False)
     assert "Conv1dUnsqueezePass" in ran
     assert mine == stock
+    assert decompositions == stock_decompositions - 1
 
 
 def test_every_batch_norm_op_the_passes_rewrite_keeps_them():
@@ -160,11 +190,13 @@ def test_every_trigger_keeps_its_pass_and_other_passes_always_run():
 
 
 def test_a_network_holding_no_trigger_skips_them_all_and_gives_the_stock_bytes(monkeypatch):
+    """Its linear layer is an op the partitioner keeps whole: decomposed as often as stock."""
     model = NoTrigger()
-    stock, _ = lowered(model, monkeypatch, stock=True)
-    mine, ran = lowered(model, monkeypatch, stock=False)
+    stock, _, stock_decompositions = lowered(model, monkeypatch, stock=True)
+    mine, ran, decompositions = lowered(model, monkeypatch, stock=False)
     assert ran == []
     assert mine == stock
+    assert decompositions == stock_decompositions
 
 
 def test_the_pattern_passes_match_only_graphs_holding_their_trigger():
