@@ -4,12 +4,25 @@ The manifest format is defined by :mod:`protocols.bundle_manifest` (what devices
 this module only fills it in. A bundle is written into a hidden staging directory next to
 the destination and renamed into place when complete, so a failed or interrupted export
 never leaves a partial bundle under the destination name.
+
+A writer holds an exclusive ``flock`` on ``.<name>.write-lock`` beside the destination from before
+it stages until its folders are gone, so whatever staging (``.<name>.partial-*``) or retired bundle
+(``.<name>.old-*``) the next writer finds there belongs to a writer that died (SIGKILL, power cut):
+it deletes the staging and puts a retired bundle back when the destination is missing (a kill
+between the two renames of a replacement). A lock rather than the writer's pid in the folder name:
+the kernel drops it when its holder dies, whatever pid reuse, pid namespaces (containers) or other
+hosts sharing the folder would make of a pid. It is not ``fedfleet.bundles``' ``.<name>.lock``,
+which that module holds around a whole export ending in this write (a second flock on that file
+from the same process would wait for itself).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -29,6 +42,10 @@ from protocols.bundle_manifest import (
 from protocols.envelope import parse_strict_json
 
 __all__ = ["describe_artifact", "write_bundle"]
+
+log = logging.getLogger(__name__)
+
+STAGING_INFIX, RETIRED_INFIX, LOCK_SUFFIX = ".partial-", ".old-", ".write-lock"
 
 
 def describe_artifact(kind: str, runtime: str, runtime_version: str, file: str, data: bytes,
@@ -58,6 +75,15 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
     for spec in manifest.artifacts:
         if hashlib.sha256(files[spec.file]).hexdigest() != spec.sha256:
             raise ValueError(f"{spec.file}: bytes do not match the manifest's sha256")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(out_dir):
+        _recover_from_dead_writers(out_dir)
+        _check_replaceable(out_dir, overwrite)
+        _replace_with_staged(out_dir, manifest, files)
+    return out_dir / MANIFEST_FILENAME
+
+
+def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()):
@@ -66,16 +92,17 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
         if not _holds_earlier_export(out_dir):
             raise FileExistsError(f"{out_dir} is not empty and holds no bundle (a {MANIFEST_FILENAME} that "
                                   f"fedfleet export wrote): --overwrite replaces an earlier export only")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+
+def _replace_with_staged(out_dir: Path, manifest: Manifest, files: Mapping[str, bytes]) -> None:
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{STAGING_INFIX}", dir=out_dir.parent))
     try:
         os.chmod(staging, 0o755)  # mkdtemp makes it owner-only; a device agent may run as another user
         for name, data in files.items():
             _write_synced(staging / name, data)
         _write_synced(staging / MANIFEST_FILENAME, manifest.dumps().encode("utf-8"))
         if out_dir.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{RETIRED_INFIX}", dir=out_dir.parent))
             try:
                 os.replace(out_dir, retired / "bundle")
                 os.replace(staging, out_dir)
@@ -88,7 +115,68 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir / MANIFEST_FILENAME
+
+
+class _writer_lock:
+    """The exclusive lock on ``.<name>.write-lock`` beside ``out_dir``, waited for (see the module
+    docstring); a second writer of the same destination waits for the first to finish.
+
+    The holder deletes the lock file before it lets go, so none stays beside a bundle; a waiter that
+    then gets the lock of a deleted file (or of one replaced since) sees that the name no longer
+    leads to it and locks the file now there instead."""
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir.parent / f".{out_dir.name}{LOCK_SUFFIX}"
+
+    def __enter__(self) -> None:
+        while True:
+            # O_NOFOLLOW: a link planted under the lock's name is refused, not followed to its target
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                locked, named = os.fstat(fd), os.stat(self.path, follow_symlinks=False)
+            except FileNotFoundError:
+                os.close(fd)                # deleted by the writer before us: lock the next one
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino):
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass                            # left for the next writer, which locks it as it finds it
+        os.close(self.fd)                   # closing the only descriptor releases the lock
+
+
+def _recover_from_dead_writers(out_dir: Path) -> None:
+    """Delete the staging folders of ``out_dir``'s dead writers, and put back the bundle one of them
+    had retired when ``out_dir`` is missing (killed between its two renames); called with the writer
+    lock held, so no live writer owns any of them. A retired bundle beside a present ``out_dir`` was
+    already replaced (killed before deleting it) and is deleted."""
+    leftovers = {STAGING_INFIX: [], RETIRED_INFIX: []}
+    for infix, found in leftovers.items():
+        # exactly mkdtemp's names (random part without dots): another destination's staging, such as
+        # ``.bundle.partial-x.partial-abc`` of a destination "bundle.partial-x", never matches "bundle"'s
+        pattern = re.compile(re.escape(f".{out_dir.name}{infix}") + r"[^.]+")
+        with os.scandir(out_dir.parent) as entries:
+            found += [Path(entry.path) for entry in entries
+                      if pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)]
+    # newest first: were there several (writers before this lock), the last one retired is the latest bundle
+    retired = sorted(leftovers[RETIRED_INFIX], key=lambda path: path.stat().st_mtime_ns, reverse=True)
+    for folder in retired:
+        bundle = folder / "bundle"
+        if not os.path.lexists(out_dir) and bundle.is_dir() and not bundle.is_symlink():
+            os.replace(bundle, out_dir)
+            log.warning("%s was missing, its previous bundle left in %s by an export that died while "
+                        "replacing it: put back", out_dir, folder)
+    for folder in leftovers[STAGING_INFIX] + retired:
+        shutil.rmtree(folder)
 
 
 def _holds_earlier_export(out_dir: Path) -> bool:

@@ -1,10 +1,17 @@
 """The export's writing and reporting on small inputs (no export runs): what ``--overwrite`` may
-replace, the CLI's summary of every artifact kind, and the head weights an export takes."""
+replace, what a killed writer leaves and the next write mends, the CLI's summary of every artifact
+kind, and the head weights an export takes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +93,101 @@ def test_overwrite_replaces_an_earlier_export_whole(tmp_path):
     assert read_manifest(path).artifacts[0].sha256 == hashlib.sha256(b"second").hexdigest()
     assert (out / "inference_eager.pt").read_bytes() == b"second"
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
+
+
+REPO = Path(__file__).resolve().parents[1]
+# A writer in a process of its own, SIGKILLed right after a call of write_bundle's: argv[2] names it
+# (os.replace or os.fsync) and its 1-based count, then "kill"; or "wait": it creates the file argv[3]
+# there and waits for argv[4] to appear (a live writer caught mid-staging).
+KILLED_WRITER = """
+import os, signal, sys, time
+from test_export_writes import write_small_bundle
+call, nth, then = sys.argv[2].split(":")
+real, calls = getattr(os, call), []
+def stop_here(*args):
+    calls.append(args)
+    result = real(*args)
+    if len(calls) == int(nth):
+        if then == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        open(sys.argv[3], "w").close()
+        while not os.path.exists(sys.argv[4]):
+            time.sleep(0.01)
+    return result
+setattr(os, call, stop_here)
+write_small_bundle(sys.argv[1], overwrite=True, data=b"the killed writer's")
+"""
+
+
+def writer_process(out, stop_at: str, *flags) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    return subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out), stop_at, *map(str, flags)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def killed_writer(out, stop_at: str) -> None:
+    process = writer_process(out, stop_at)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == -9, err
+
+
+def test_a_writer_killed_between_its_two_renames_is_mended_by_the_next_write(tmp_path):
+    """Killed after moving the previous bundle aside and before renaming its own into place, a writer
+    left the destination missing and the previous bundle hidden in .bundle.old-*/bundle for good."""
+    out = tmp_path / "bundle"
+    write_small_bundle(out, data=b"first")
+    killed_writer(out, "replace:1:kill")
+    (retired,) = tmp_path.glob(".bundle.old-*")                     # as the kill left it
+    assert not out.exists() and (retired / "bundle" / "inference_eager.pt").read_bytes() == b"first"
+    assert len(list(tmp_path.glob(".bundle.partial-*"))) == 1
+    # the previous bundle is put back first, so a write that may not replace it is refused
+    with pytest.raises(FileExistsError, match="not empty"):
+        write_small_bundle(out, data=b"third")
+    assert (out / "inference_eager.pt").read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
+    path = write_small_bundle(out, overwrite=True, data=b"third")
+    assert read_manifest(path).artifacts[0].sha256 == hashlib.sha256(b"third").hexdigest()
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
+
+
+@pytest.mark.parametrize("stop_at,left", [("fsync:1:kill", ".bundle.partial-*"), ("replace:2:kill", ".bundle.old-*")])
+def test_what_a_killed_writer_leaves_beside_a_bundle_is_deleted_by_the_next_write(tmp_path, stop_at, left):
+    """Killed mid-staging (a .bundle.partial-* with half the files), or after its new bundle was in
+    place but before the previous one was deleted (.bundle.old-*/bundle beside it)."""
+    out = tmp_path / "bundle"
+    write_small_bundle(out, data=b"first")
+    killed_writer(out, stop_at)
+    (folder,) = tmp_path.glob(left)
+    assert next(folder.rglob("inference_eager.pt")).read_bytes() == b"the killed writer's" if "partial" in left \
+        else (folder / "bundle" / "inference_eager.pt").read_bytes() == b"first"
+    write_small_bundle(out, overwrite=True, data=b"third")
+    assert (out / "inference_eager.pt").read_bytes() == b"third"
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
+
+
+def test_a_live_writers_staging_is_left_alone_and_a_second_writer_waits_for_it(tmp_path):
+    out, staging, go = tmp_path / "bundle", tmp_path / "staging", tmp_path / "go"
+    write_small_bundle(out, data=b"first")
+    process = writer_process(out, "fsync:1:wait", staging, go)
+    try:
+        deadline = time.monotonic() + 60
+        while not staging.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert staging.exists(), process.stderr.read() if process.poll() is not None else "no staging in 60 s"
+        (partial,) = tmp_path.glob(".bundle.partial-*")
+        second = threading.Thread(target=write_small_bundle, args=(out,), kwargs=dict(overwrite=True, data=b"2nd"))
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and partial.is_dir()      # waiting for the lock, the staging untouched
+        go.touch()
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+        second.join(timeout=60)
+    finally:
+        go.touch()
+        process.wait(timeout=60)
+    assert not second.is_alive()
+    assert (out / "inference_eager.pt").read_bytes() == b"2nd"           # written after the other one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "go", "staging"]
 
 
 def test_the_summary_names_every_artifact_kind_of_a_tail_bundle(tmp_path):
