@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from edge_client.runtime.auto import REFERENCE_KEY, calibration_input, encode_reference
-from edge_client.models import BACKBONES, build_backbone, weights_sha256
+from edge_client.models import BACKBONES, build_backbone, pretrained_backbone
 from edge_client.models.preprocess import to_model_input
 from edge_client.models.tail import TailModel, split_backbone
 from edge_client.runtime.base import check_parameter_dict
@@ -121,8 +121,8 @@ def _versions() -> dict[str, str]:
 def _load_backbone(name: str, weights: Path | None):
     if name not in BACKBONES:
         raise ExportError(f"unknown backbone {name!r}; choose one of {list(BACKBONES)}")
-    if weights is None:
-        return build_backbone(name, pretrained=True), weights_sha256(name)
+    if weights is None:     # the weights file read once: loaded and hashed from the same bytes
+        return pretrained_backbone(name)
     # read once, bounded, never blocking on a FIFO: the digest recorded (devices and feature caches
     # are keyed on it) is that of the bytes loaded, not of a second read of a file changed meanwhile
     try:

@@ -1,22 +1,38 @@
-"""The files an export reads (``--weights``, ``--parity-images``) and its image counts, on small
-inputs (no export runs): each file is read once, as a regular file of bounded size, and a bad count
-is a bad argument."""
+"""The files an export reads (``--weights``, the default pretrained weights, ``--parity-images``) and
+its image counts, on small inputs (one eager-only export): each file is read once, as a regular file
+of bounded size, and a bad count is a bad argument."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from edge_client.models import build_backbone
-from export import pipeline
+import edge_client.models
+from edge_client.models import build_backbone, weights_path
+from export import export_bundle, pipeline
 from export.cli import main
 from export.parity import load_calibration_images, load_parity_images
 from export.request import ExportError
+from protocols.bundle_manifest import read_manifest
+
+# Paths opened while a test records them (a list here), through Python's "open" audit event: every
+# open() / io.open / os.open, whoever calls it (torch.load, hashing, Path.read_bytes). Audit hooks
+# cannot be removed, so the one hook stays and records nothing between tests.
+_opened: list[str] | None = None
+
+
+def _record_opens(event: str, args: tuple) -> None:
+    if event == "open" and _opened is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+        _opened.append(os.path.realpath(os.fsdecode(args[0])))
+
+
+sys.addaudithook(_record_opens)
 
 
 def _without_blocking(call, fifo):
@@ -62,6 +78,25 @@ def test_the_weights_digest_is_that_of_the_bytes_loaded(tmp_path, monkeypatch):
     assert digest == hashlib.sha256(loaded_bytes).hexdigest()
     name = next(iter(state))
     torch.testing.assert_close(backbone.state_dict()[name], state[name], rtol=0, atol=0)
+
+
+def test_an_export_reads_the_default_pretrained_weights_once(tmp_path):
+    """The default weights were hashed (weights_sha256), then loaded by path (torch.load): two reads of
+    the file per export, and a digest that need not be that of the bytes loaded."""
+    global _opened
+    weights = os.path.realpath(weights_path("mobilenet_v2"))
+    edge_client.models._file_sha256.cache_clear()   # as in a new process: no digest cached by another test
+    _opened = []
+    try:
+        manifest = export_bundle("mobilenet_v2", tmp_path / "bundle", num_classes=3, image_size=32,
+                                 inference_runtimes=("eager",), training=False,
+                                 parity_images=load_parity_images(count=4))
+        reads = _opened.count(weights)
+    finally:
+        _opened = None
+    assert reads == 1
+    with open(weights, "rb") as file:
+        assert read_manifest(manifest).weights_sha256 == hashlib.sha256(file.read()).hexdigest()
 
 
 def test_weights_that_are_a_fifo_or_too_large_are_refused_at_once(tmp_path, monkeypatch):

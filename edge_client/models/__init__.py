@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.resources
+import io
 import pathlib
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "WeightsIntegrityError",
     "WeightsPackage",
     "build_backbone",
+    "pretrained_backbone",
     "weights_path",
     "weights_sha256",
 ]
@@ -126,17 +129,31 @@ def build_backbone(name: str, pretrained: bool = True) -> Backbone:
     ``pretrained=False`` gives the same architecture with random initialisation (drawn from
     torch's global RNG), useful as a baseline for the pretrained features.
     """
+    if pretrained:
+        return pretrained_backbone(name)[0]
+    _check_name(name)
+    return _architecture(name)().eval()
+
+
+def pretrained_backbone(name: str) -> tuple[Backbone, str]:
+    """Backbone ``name`` with its pretrained weights (eval mode), and the sha256 of the weights.
+
+    The file is read once: its bytes are checked against the digest its name promises, loaded, and
+    their digest returned (an export records it; devices and feature caches are keyed on it). Hashing
+    the file, then loading it by path read it twice, and the digest could describe other bytes than
+    those loaded had the file changed between the reads.
+    """
     _check_name(name)
     model = _architecture(name)()
-    if pretrained:
-        path = weights_path(name)
-        expected = _WEIGHTS[name].expected_sha256_prefix
-        actual = weights_sha256(name)
-        if not actual.startswith(expected):
-            raise WeightsIntegrityError(
-                f"{path} has sha256 {actual}, but its name promises a digest starting with "
-                f"{expected}; the file is corrupt, reinstall `{_WEIGHTS[name].pip_name}`"
-            )
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state_dict, strict=True)
-    return model.eval()
+    path = weights_path(name)
+    data = path.read_bytes()
+    expected = _WEIGHTS[name].expected_sha256_prefix
+    actual = hashlib.sha256(data).hexdigest()
+    if not actual.startswith(expected):
+        raise WeightsIntegrityError(
+            f"{path} has sha256 {actual}, but its name promises a digest starting with "
+            f"{expected}; the file is corrupt, reinstall `{_WEIGHTS[name].pip_name}`"
+        )
+    state_dict = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval(), actual
