@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantized-tolerance", type=float, default=None,
                         help="max relative L2 error of the int8 program's outputs vs eager fp32 "
                              "(default: 0.3, export.request.INT8_RELATIVE_ERROR_TOLERANCE)")
+    parser.add_argument("--quantized-min-cosine", type=float, default=None,
+                        help="least cosine between any parity image's int8 output row and eager fp32's "
+                             "(default: 0.3, export.request.INT8_MIN_ROW_COSINE)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export (a folder holding a manifest.json; any other non-empty folder is refused)")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
@@ -87,9 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits 2 on bad usage, 0 on --help
         return int(exit_.code or 0)
-    if args.quantize is None and (args.calibration_images is not None
-                                  or args.quantized_tolerance is not None):
-        print("fedfleet export: --calibration-images / --quantized-tolerance need --quantize",
+    if args.quantize is None and (args.calibration_images is not None or args.quantized_tolerance is not None
+                                  or args.quantized_min_cosine is not None):
+        print("fedfleet export: --calibration-images / --quantized-tolerance / --quantized-min-cosine need "
+              "--quantize",
               file=sys.stderr)
         return 2
     log_to_stderr("%(levelname)s %(name)s: %(message)s")     # as every process: one line a record
@@ -99,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported here so `--help` works without torch / executorch.
     from export.parity import load_calibration_images, load_parity_images
     from export.pipeline import (
+        INT8_MIN_ROW_COSINE,
         INT8_RELATIVE_ERROR_TOLERANCE,
         ExportError,
         ParityError,
@@ -114,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                          args.calibration_count)
         quantized_tolerance = (INT8_RELATIVE_ERROR_TOLERANCE if args.quantized_tolerance is None
                                else args.quantized_tolerance)
+        quantized_min_cosine = (INT8_MIN_ROW_COSINE if args.quantized_min_cosine is None
+                                else args.quantized_min_cosine)
         manifest_path = export_bundle(
             args.backbone, args.out, num_classes=args.num_classes, image_size=args.image_size,
             weights=args.weights, head_weights=args.head_weights, full_model=args.full_model,
@@ -122,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             training=not args.no_training, parity_images=parity_images,
             tolerance=args.tolerance, gradient_tolerance=args.gradient_tolerance,
             tail_stages=args.tail_stages, overwrite=args.overwrite, quantize=args.quantize,
-            calibration_images=calibration_images, quantized_tolerance=quantized_tolerance)
+            calibration_images=calibration_images, quantized_tolerance=quantized_tolerance,
+            quantized_min_cosine=quantized_min_cosine)
     except ParityError as error:
         print(f"fedfleet export: {error}", file=sys.stderr)
         print(json.dumps(error.measurements, indent=2, sort_keys=True), file=sys.stderr)

@@ -66,7 +66,13 @@ from export.parity import (
     worst_error,
 )
 from export.quantization import INT8_SCHEME, QuantizedParity, quantize_int8, quantized_parity
-from export.request import DEFAULT_INFERENCE_RUNTIMES, INT8_RELATIVE_ERROR_TOLERANCE, ExportError, ExportRequest
+from export.request import (
+    DEFAULT_INFERENCE_RUNTIMES,
+    INT8_MIN_ROW_COSINE,
+    INT8_RELATIVE_ERROR_TOLERANCE,
+    ExportError,
+    ExportRequest,
+)
 from export.training_program import lower_training_program
 from protocols.files import read_npz
 from protocols.regular_file import read_regular_file
@@ -78,6 +84,7 @@ MAX_WEIGHTS_FILE_BYTES = 256 << 20
 
 __all__ = [
     "DEFAULT_INFERENCE_RUNTIMES",
+    "INT8_MIN_ROW_COSINE",
     "INT8_RELATIVE_ERROR_TOLERANCE",
     "ExportError",
     "ExportRequest",
@@ -263,7 +270,8 @@ def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -
                 measured = quantized_parity(outputs_of.run(src.inputs), expected)
                 artifact.spec = dataclasses.replace(artifact.spec, parity={
                     **measured.to_json(), "tolerance": r.quantized_tolerance,
-                    "tolerance_metric": "relative_l2_error", "reference": "eager torch (fp32)",
+                    "tolerance_metric": "relative_l2_error", "min_cosine_bound": r.quantized_min_cosine,
+                    "reference": "eager torch (fp32)",
                     "inputs": src.parity_images.source})
                 refused = _quantized_parity_failure(r, artifact.spec.file, measured)
                 if refused:
@@ -369,13 +377,18 @@ def _run_eager(model: torch.nn.Module, inputs: np.ndarray, max_batch: int) -> np
 
 
 def _quantized_parity_failure(r: ExportRequest, file: str, measured: QuantizedParity) -> str | None:
-    """Why an int8 program is refused, or None. Checked twice: on the quantize/dequantize graph
-    before lowering (a badly calibrated program is refused without paying for the lowering),
-    then on the lowered program as the device runs it."""
-    if measured.relative_l2_error <= r.quantized_tolerance:
-        return None
-    return (f"{file}: relative L2 error {measured.relative_l2_error:.3g} "
-            f"vs eager fp32 exceeds tolerance {r.quantized_tolerance:g}")
+    """Why an int8 program is refused, or None: its relative L2 error over all rows, or its worst row's
+    cosine (an aggregate lets one broken row through). Checked twice: on the quantize/dequantize graph
+    before lowering (a badly calibrated program is refused without paying for the lowering), then on
+    the lowered program as the device runs it."""
+    reasons = []
+    if not measured.relative_l2_error <= r.quantized_tolerance:
+        reasons.append(f"relative L2 error {measured.relative_l2_error:.3g} vs eager fp32 exceeds tolerance "
+                       f"{r.quantized_tolerance:g}")
+    if not measured.min_cosine_similarity >= r.quantized_min_cosine:
+        reasons.append(f"worst row's cosine with eager fp32 {measured.min_cosine_similarity:.3g} is below "
+                       f"{r.quantized_min_cosine:g}")
+    return f"{file}: {'; '.join(reasons)}" if reasons else None
 
 
 def _inference_artifact(runtime: str, kind: str, model: torch.nn.Module, example: torch.Tensor,

@@ -21,8 +21,9 @@ from edge_client.models.preprocess import to_model_input
 from edge_client.runtime import load_inference, read_manifest
 from export import export_bundle
 from export.cli import main
+from export import pipeline
 from export.parity import load_calibration_images
-from export.pipeline import INT8_RELATIVE_ERROR_TOLERANCE, ExportError
+from export.pipeline import INT8_MIN_ROW_COSINE, INT8_RELATIVE_ERROR_TOLERANCE, ExportError, ExportRequest
 from export.quantization import quantized_parity
 
 pytestmark = pytest.mark.slow  # int8 exports and calibration: xdist starts this file first
@@ -70,6 +71,7 @@ def test_manifest_records_the_quantization(int8_bundle, capsys):
     assert parity["tolerance_metric"] == "relative_l2_error"
     assert 0 < parity["relative_l2_error"] <= INT8_RELATIVE_ERROR_TOLERANCE
     assert -1 <= parity["min_cosine_similarity"] <= parity["mean_cosine_similarity"] <= 1
+    assert parity["min_cosine_bound"] == INT8_MIN_ROW_COSINE <= parity["min_cosine_similarity"]
     # The fp32 artifact of the same bundle keeps the fp32 rule and has no quantization.
     eager = manifest.find("inference", "eager")
     assert "quantization" not in eager.details
@@ -122,11 +124,57 @@ def test_badly_calibrated_program_is_refused_and_nothing_written(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["black.npy"]
 
 
+def one_row_broken(outputs: np.ndarray) -> np.ndarray:
+    """``outputs`` with its smallest row sign-flipped: a row pointing away from fp32's (cosine -1) that
+    moves the relative L2 error over all rows by little."""
+    broken = outputs.copy()
+    row = np.argmin(np.linalg.norm(outputs, axis=1))
+    broken[row] = -broken[row]
+    return broken
+
+
+def test_one_broken_row_fails_the_int8_check_that_the_relative_error_passes():
+    rng = np.random.default_rng(0)
+    reference = rng.random((64, 40))                   # non-negative, as pooled ReLU6 features are
+    reference[7] *= 0.05                               # a near-black image's small features
+    quantized = one_row_broken(reference * rng.normal(1.0, 0.15, reference.shape))
+    cosines = np.diag(cosine_similarity(quantized, reference))
+    assert cosines[7] == pytest.approx(-1, abs=0.05) and np.delete(cosines, 7).min() > 0.9
+    request = ExportRequest("mobilenet_v2", "unused", num_classes=3, quantize="int8")
+    measured = quantized_parity(quantized, reference)
+    assert measured.relative_l2_error <= request.quantized_tolerance
+    refused = pipeline._quantized_parity_failure(request, "inference_xnnpack_int8.pte", measured)
+    assert refused is not None and "worst row's cosine" in refused and "relative L2" not in refused
+    # the same outputs without the broken row pass
+    intact = quantized.copy()
+    intact[7] = -intact[7]
+    assert pipeline._quantized_parity_failure(request, "x", quantized_parity(intact, reference)) is None
+
+
+def test_an_int8_program_with_one_broken_row_is_refused_and_nothing_written(tmp_path, capsys, monkeypatch):
+    """Through the export: the quantize/dequantize graph's outputs get one broken row (the check before
+    lowering, so no lowering is paid for)."""
+    run_eager = pipeline._run_eager
+    monkeypatch.setattr(pipeline, "_run_eager", lambda *args: one_row_broken(run_eager(*args)))
+    out = tmp_path / "bundle"
+    code = main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(out),
+                 "--image-size", str(IMAGE_SIZE), "--batch-size", "8", "--parity-count", "16",
+                 "--runtimes", "executorch", "--no-training",
+                 "--quantize", "int8", "--calibration-count", str(CALIBRATION_COUNT)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no artifact written" in err and "worst row's cosine with eager fp32 -1" in err
+    assert "relative L2" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("arguments,message", [
     (dict(quantize="int4"), "quantize must be"),
     (dict(quantize="int8", inference_runtimes=("onnxruntime",)), "add executorch"),
     (dict(quantize="int8", quantized_tolerance=math.nan), "quantized_tolerance"),
     (dict(quantize="int8", quantized_tolerance=-0.1), "quantized_tolerance"),
+    (dict(quantize="int8", quantized_min_cosine=1.5), "quantized_min_cosine"),
+    (dict(quantize="int8", quantized_min_cosine=math.nan), "quantized_min_cosine"),
 ])
 def test_bad_quantization_requests_are_refused(tmp_path, arguments, message):
     with pytest.raises(ExportError, match=message):
