@@ -29,6 +29,7 @@ __all__ = [
     "load_calibration_images",
     "load_parity_images",
     "reference_head_loss",
+    "run_for_parity",
     "training_parity",
 ]
 
@@ -83,12 +84,39 @@ def _load_images(path: str | Path | None, count: int, split: str, use: str,
     return ParityImages(images[:count], None, f"{path.name}[0:{min(count, len(images))}]")
 
 
-def inference_parity(runtime, inputs: np.ndarray, reference: np.ndarray) -> float:
-    """Max abs difference between ``runtime.run(inputs)`` and the eager ``reference``."""
-    outputs = runtime.run(inputs)
-    if outputs.shape != reference.shape:
-        raise ValueError(f"artifact output shape {outputs.shape} != eager {reference.shape}")
-    return float(np.max(np.abs(outputs.astype(np.float64) - reference.astype(np.float64))))
+def run_for_parity(runtime, inputs: np.ndarray, max_batch: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``runtime``'s outputs for ``inputs``, run as a device runs them, then, for a program with a
+    batch bound, for one call of ``max_batch`` rows (``inputs`` repeated when fewer); and which row of
+    ``inputs`` each output row is of.
+
+    The second run because the first may never reach the largest batch the program was traced and
+    memory-planned for: fewer parity images than the bound, or calls sliced smaller
+    (``ExecuTorchInference.rows_per_call``: one 224 px row per call on one thread, 16 at 64 px; 40
+    rows at a bound of 32 run as 20 + 20). The slicing cap is lifted for that call.
+    """
+    outputs, rows = runtime.run(inputs), np.arange(len(inputs))
+    if max_batch is None:
+        return outputs, rows
+    largest = np.arange(max_batch) % len(inputs)
+    sliced = getattr(runtime, "rows_per_call", None)
+    if sliced is not None:
+        runtime.rows_per_call = max_batch
+    try:
+        largest_outputs = runtime.run(np.ascontiguousarray(inputs[largest]))
+    finally:
+        if sliced is not None:
+            runtime.rows_per_call = sliced
+    return np.concatenate([outputs, largest_outputs]), np.concatenate([rows, largest])
+
+
+def inference_parity(runtime, inputs: np.ndarray, reference: np.ndarray, max_batch: int | None = None) -> float:
+    """Max abs difference between ``runtime``'s outputs (:func:`run_for_parity`) and the eager
+    ``reference``."""
+    outputs, rows = run_for_parity(runtime, inputs, max_batch)
+    expected = reference[rows]
+    if outputs.shape != expected.shape:
+        raise ValueError(f"artifact output shape {outputs.shape} != eager {expected.shape}")
+    return float(np.max(np.abs(outputs.astype(np.float64) - expected.astype(np.float64))))
 
 
 def reference_head_loss(features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,

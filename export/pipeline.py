@@ -62,6 +62,7 @@ from export.parity import (
     inference_parity,
     load_calibration_images,
     load_parity_images,
+    run_for_parity,
     training_parity,
     worst_error,
 )
@@ -267,7 +268,8 @@ def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -
                                            r.batch_size, quantization)
             outputs_of = INFERENCE_BACKENDS[runtime](artifact.data, artifact.spec, src.draft)
             if quantized:
-                measured = quantized_parity(outputs_of.run(src.inputs), expected)
+                outputs, rows = run_for_parity(outputs_of, src.inputs, artifact.spec.batch.max)
+                measured = quantized_parity(outputs, expected[rows])
                 artifact.spec = dataclasses.replace(artifact.spec, parity={
                     **measured.to_json(), "tolerance": r.quantized_tolerance,
                     "tolerance_metric": "relative_l2_error", "min_cosine_bound": r.quantized_min_cosine,
@@ -277,7 +279,7 @@ def _inference_artifacts(r: ExportRequest, src: _Sources, failures: list[str]) -
                 if refused:
                     failures.append(refused)
             else:
-                error = inference_parity(outputs_of, src.inputs, expected)
+                error = inference_parity(outputs_of, src.inputs, expected, artifact.spec.batch.max)
                 artifact.spec = dataclasses.replace(artifact.spec, parity={
                     "max_abs_error": error, "tolerance": r.tolerance, "reference": "eager torch",
                     "inputs": src.parity_images.source})

@@ -107,6 +107,33 @@ def test_executorch_row_slicing_keeps_results(mobilenet_bundle, test_images):
             ExecuTorchInference(program, spec, size, rows_per_call=bad)
 
 
+def test_parity_runs_the_programs_largest_batch(tmp_path, monkeypatch):
+    """Fewer parity images (4) than the bound (8), in calls sliced to 3 rows (as rows_per_call slices
+    them: one row at 224 px on one thread): the export ran the program on 2 + 2 rows only, never on
+    the 8 it was traced and memory-planned for. The parity check now calls it once with 8 rows too
+    (the 4 images repeated), lifting the slicing for that call only, and compares every row."""
+    from edge_client.runtime import executorch_runtime
+
+    calls, outputs = [], []
+    run_batch = executorch_runtime.ExecuTorchInference._run_batch
+
+    def recorded(self, x):
+        calls.append((len(x), self.rows_per_call))
+        outputs.append(run_batch(self, x))
+        return outputs[-1]
+
+    monkeypatch.setattr(executorch_runtime.ExecuTorchInference, "_run_batch", recorded)
+    monkeypatch.setattr(executorch_runtime, "default_rows_per_call", lambda image_size, threads: 3)
+    parity_images = load_parity_images(count=4)
+    manifest = export_bundle("mobilenet_v2", tmp_path / "bundle", num_classes=3, image_size=32, batch_size=8,
+                             inference_runtimes=("executorch",), training=False, parity_images=parity_images)
+    assert calls == [(2, 3), (2, 3), (8, 8)]
+    # the 8-row call ran the 4 images twice over, and its outputs are eager's for them
+    _, expected = eager_features("mobilenet_v2", parity_images.images[[0, 1, 2, 3, 0, 1, 2, 3]], 32)
+    assert np.max(np.abs(outputs[-1] - expected)) <= TOLERANCE
+    assert read_manifest(manifest).find("inference", "executorch").parity["max_abs_error"] <= TOLERANCE
+
+
 FIRST_RUNS_ON_THREADS = """
 import sys, threading
 import numpy as np
