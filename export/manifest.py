@@ -8,8 +8,8 @@ never leaves a partial bundle under the destination name.
 A writer holds an exclusive ``flock`` on ``.<name>.write-lock`` beside the destination from before
 it stages until its folders are gone, so whatever staging (``.<name>.partial-*``) or retired bundle
 (``.<name>.old-*``) the next writer finds there belongs to a writer that died (SIGKILL, power cut):
-it deletes the staging and puts a retired bundle back when the destination is missing (a kill
-between the two renames of a replacement). A lock rather than the writer's pid in the folder name:
+it deletes them, first putting a retired bundle back when its writer was killed between the two
+renames of a replacement (the destination missing, that writer's staging still there). A lock rather than the writer's pid in the folder name:
 the kernel drops it when its holder dies, whatever pid reuse, pid namespaces (containers) or other
 hosts sharing the folder would make of a pid. It is not ``fedfleet.bundles``' ``.<name>.lock``,
 which that module holds around a whole export ending in this write (a second flock on that file
@@ -76,7 +76,7 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
         if hashlib.sha256(files[spec.file]).hexdigest() != spec.sha256:
             raise ValueError(f"{spec.file}: bytes do not match the manifest's sha256")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _writer_lock(out_dir):
+    with _WriterLock(out_dir):
         _recover_from_dead_writers(out_dir)
         _check_replaceable(out_dir, overwrite)
         _replace_with_staged(out_dir, manifest, files)
@@ -95,14 +95,18 @@ def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
 
 
 def _replace_with_staged(out_dir: Path, manifest: Manifest, files: Mapping[str, bytes]) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{STAGING_INFIX}", dir=out_dir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_leftover_name(out_dir, STAGING_INFIX, ""), dir=out_dir.parent))
     try:
         os.chmod(staging, 0o755)  # mkdtemp makes it owner-only; a device agent may run as another user
         for name, data in files.items():
             _write_synced(staging / name, data)
         _write_synced(staging / MANIFEST_FILENAME, manifest.dumps().encode("utf-8"))
         if out_dir.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{RETIRED_INFIX}", dir=out_dir.parent))
+            # named after the staging folder: the next writer tells a kill between the two renames (both
+            # folders there) from one after them (the staging renamed away)
+            token = _leftover_token(out_dir, STAGING_INFIX, staging)
+            retired = out_dir.parent / _leftover_name(out_dir, RETIRED_INFIX, token)
+            retired.mkdir(mode=0o700)
             try:
                 os.replace(out_dir, retired / "bundle")
                 os.replace(staging, out_dir)
@@ -117,7 +121,7 @@ def _replace_with_staged(out_dir: Path, manifest: Manifest, files: Mapping[str, 
         raise
 
 
-class _writer_lock:
+class _WriterLock:
     """The exclusive lock on ``.<name>.write-lock`` beside ``out_dir``, waited for (see the module
     docstring); a second writer of the same destination waits for the first to finish.
 
@@ -154,29 +158,41 @@ class _writer_lock:
         os.close(self.fd)                   # closing the only descriptor releases the lock
 
 
+def _leftover_name(out_dir: Path, infix: str, token: str) -> str:
+    """A writer's hidden folder beside ``out_dir``: ``.<name><infix><token>``."""
+    return f".{out_dir.name}{infix}{token}"
+
+
+def _leftover_token(out_dir: Path, infix: str, folder: Path) -> str:
+    return folder.name[len(_leftover_name(out_dir, infix, "")):]
+
+
 def _recover_from_dead_writers(out_dir: Path) -> None:
-    """Delete the staging folders of ``out_dir``'s dead writers, and put back the bundle one of them
-    had retired when ``out_dir`` is missing (killed between its two renames); called with the writer
-    lock held, so no live writer owns any of them. A retired bundle beside a present ``out_dir`` was
-    already replaced (killed before deleting it) and is deleted."""
+    """Delete the staging and retired folders of ``out_dir``'s dead writers, first putting back the
+    bundle one of them had retired when it was killed between its two renames: ``out_dir`` missing,
+    the writer's staging folder still there. Called with the writer lock held, so no live writer owns
+    any of them."""
     leftovers = {STAGING_INFIX: [], RETIRED_INFIX: []}
     for infix, found in leftovers.items():
         # exactly mkdtemp's names (random part without dots): another destination's staging, such as
         # ``.bundle.partial-x.partial-abc`` of a destination "bundle.partial-x", never matches "bundle"'s
-        pattern = re.compile(re.escape(f".{out_dir.name}{infix}") + r"[^.]+")
+        pattern = re.compile(re.escape(_leftover_name(out_dir, infix, "")) + r"[^.]+")
         with os.scandir(out_dir.parent) as entries:
             found += [Path(entry.path) for entry in entries
                       if pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)]
-    # newest first: were there several (writers before this lock), the last one retired is the latest bundle
-    retired = sorted(leftovers[RETIRED_INFIX], key=lambda path: path.stat().st_mtime_ns, reverse=True)
-    for folder in retired:
+    for folder in leftovers[RETIRED_INFIX]:
         bundle = folder / "bundle"
-        if not os.path.lexists(out_dir) and bundle.is_dir() and not bundle.is_symlink():
+        staged = out_dir.parent / _leftover_name(out_dir, STAGING_INFIX, _leftover_token(out_dir, RETIRED_INFIX, folder))
+        if (not os.path.lexists(out_dir) and staged in leftovers[STAGING_INFIX] and bundle.is_dir()
+                and not bundle.is_symlink()):
             os.replace(bundle, out_dir)
             log.warning("%s was missing, its previous bundle left in %s by an export that died while "
                         "replacing it: put back", out_dir, folder)
-    for folder in leftovers[STAGING_INFIX] + retired:
-        shutil.rmtree(folder)
+    for folder in leftovers[STAGING_INFIX] + leftovers[RETIRED_INFIX]:
+        try:
+            shutil.rmtree(folder)
+        except OSError as error:    # what is left is a dead writer's: no reason to refuse this export
+            log.warning("could not delete %s, left by an export that died: %s", folder, error)
 
 
 def _holds_earlier_export(out_dir: Path) -> bool:

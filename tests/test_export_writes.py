@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -161,6 +162,18 @@ def test_what_a_killed_writer_leaves_beside_a_bundle_is_deleted_by_the_next_writ
     assert next(folder.rglob("inference_eager.pt")).read_bytes() == b"the killed writer's" if "partial" in left \
         else (folder / "bundle" / "inference_eager.pt").read_bytes() == b"first"
     write_small_bundle(out, overwrite=True, data=b"third")
+    assert (out / "inference_eager.pt").read_bytes() == b"third"
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
+
+
+def test_a_bundle_replaced_before_its_writer_was_killed_is_never_put_back(tmp_path):
+    """Killed after both renames, a writer's retired folder holds the bundle it replaced: a destination
+    deleted since is written anew, not refilled with that older bundle."""
+    out = tmp_path / "bundle"
+    write_small_bundle(out, data=b"first")
+    killed_writer(out, "replace:2:kill")
+    shutil.rmtree(out)                                          # the user deletes the bundle
+    write_small_bundle(out, data=b"third")
     assert (out / "inference_eager.pt").read_bytes() == b"third"
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
 
