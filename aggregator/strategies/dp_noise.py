@@ -24,12 +24,16 @@ an integer grid, not a float added to a float. Theory of operation:
   sees the bits tells neighbouring x's apart far beyond ε (Mironov's example is a release no
   amount of noise protects).
 - The grid. The values are rounded to a power-of-two grid g first, n = round(x/g) (exact in
-  float64 while |x|/g < 2^52, refused beyond), integer noise K = round(σ_g·Z) is added,
-  σ_g = σ/g, and the release is g·(n + K): every output an exact multiple of g, computed without a
-  rounding error (integers below 2^53, times a power of two). The release depends on x only
-  through the integer vector n, and K's law does not depend on x at all: two x's in the same cells
-  give the same bits from the same noise, and the floats a release can be are the grid's, for
-  every x alike.
+  float64 at any size: x/g only moves the exponent, and from 2^52 on it is an integer already),
+  integer noise K = round(σ_g·Z) is added, σ_g = σ/g, and the release is g·(n + K): every output
+  an exact multiple of g (integers times a power of two). Below 2^53 n + K is computed without a
+  rounding error; beyond it float64 returns the integer n + K correctly rounded, a function of
+  that integer alone (post-processing of the release, the same bits for every x of that n + K).
+  So no size of sum is refused: a refusal would be an outcome that depends on x with no noise at
+  all (whether the job publishes or stops), and at a job's end (``dp_release`` "end") one that
+  every restart met again. The release depends on x only through the integer vector n, and K's law
+  does not depend on x at all: two x's in the same cells give the same bits from the same noise,
+  and the floats a release can be are the grid's, for every x alike.
 - The cost. Rounding moves each entry by at most g/2, so the rounded values' L2 sensitivity is at
   most Δ + g√d (x and its neighbour each rounded, d entries). The grid is chosen with
   g√d ≤ Δ·2^-20 (:func:`release_grid`) and the noise's stddev is σ·(1 + 2^-20): the noise is
@@ -138,7 +142,7 @@ def seeded_noise_warning() -> dict:
 
 
 GRID_MARGIN = 2.0 ** -20        # the rounding's share of the sensitivity: g√d ≤ Δ·GRID_MARGIN
-EXACT_INTEGERS = 2.0 ** 52      # |n| and |K| each below it: n + K is an exact float64 integer
+EXACT_INTEGERS = 2.0 ** 52      # |K| below it: every integer step of the noise a float64 of its own
 
 
 def release_grid(sensitivity, entries: int) -> np.ndarray:
@@ -158,8 +162,9 @@ def grid_gaussian_release(values, stddev, sensitivity, source: NoiseSource) -> n
     blocks, each with its own stddev and its own sensitivity Δ_i) as long as the mean over the entries
     of (Δ_i/σ_i)² is at most 1/z², the squared sensitivity of the release in units of its noise: the
     rounding then moves that by at most √(Σ (g_i/σ_i)²) ≤ 2^-20/z, and the noise σ_i·(1 + 2^-20)
-    again makes the release one of multiplier z. ValueError when some |x|/g reaches 2^52 (or x is
-    not finite), or the noise in grid steps does: the integers would not be exact in float64."""
+    again makes the release one of multiplier z. ValueError when some x is not finite (or x/g
+    overflows), or the noise in grid steps reaches 2^52 (a draw of K, never of x: its integers would
+    no longer each be a float64). A sum of any finite size is released (module docstring)."""
     values = np.asarray(values, dtype=np.float64)
     stddev = np.broadcast_to(np.asarray(stddev, dtype=np.float64), values.shape)
     sensitivity = np.broadcast_to(np.asarray(sensitivity, dtype=np.float64), values.shape)
@@ -168,9 +173,8 @@ def grid_gaussian_release(values, stddev, sensitivity, source: NoiseSource) -> n
         raise ValueError("the noise stddev and the sensitivity must be positive finite numbers")
     grid = release_grid(sensitivity, values.size)
     cells = np.rint(values / grid)                  # exact: g is a power of two
-    if not (np.abs(cells) < EXACT_INTEGERS).all():
-        raise ValueError(f"a released value is not finite or |x|/g reaches 2^52 on the release grid "
-                         f"(g = {float(grid.min()):.3g}): the sum is too large to round exactly in float64")
+    if not np.isfinite(cells).all():
+        raise ValueError(f"a released value is not finite on the release grid (g = {float(grid.min()):.3g})")
     normals = np.asarray(source.normal(0.0, 1.0, values.size), dtype=np.float64).reshape(values.shape)
     steps = np.rint(stddev * (1.0 + GRID_MARGIN) / grid * normals)
     if not (np.abs(steps) < EXACT_INTEGERS).all():
