@@ -200,11 +200,14 @@ RECOVERY_STEPS = {"repaired": ["refusal:0:20:40", "refusal:0:20:40", "write:{\"b
 
 
 def python_windows_script(path, steps: list[str]) -> list[str]:
-    """RECOVERY_STEPS on a SampleWindowLedger, as TaskRunner --windows runs them on SampleWindows."""
+    """RECOVERY_STEPS on a SampleWindowLedger kept in ``path`` (None: no state folder), as TaskRunner
+    --windows runs them on SampleWindows ("restart": a fresh ledger on the same file)."""
     ledger, said = SampleWindowLedger(path), []
     for step in steps:
         what, _, rest = step.partition(":")
-        if what == "write":
+        if what == "restart":
+            ledger = SampleWindowLedger(path)
+        elif what == "write":
             path.write_text(rest)
         elif what == "move":
             shutil.move(path, f"{path}.damaged")

@@ -6,8 +6,8 @@
 //        its SampleWindows there; the held-out file "-" for none)
 //        java TaskRunner --skellam <stddev> <count>   (prints "NOISE ...": Skellam draws, scale_bits 0)
 //        java TaskRunner --sample-order <protocols/golden/sample_order.json>  (prints "ORDER <i> ok|differs")
-//        java TaskRunner --windows <ledger file> <step>...  (one running device's ledger through refusals,
-//          records and the operator's repairs: windowsScript)
+//        java TaskRunner --windows <ledger file or "-"> <step>...  (one device's ledger through refusals,
+//          records, restarts and the operator's repairs: windowsScript)
 //        java TaskRunner --retask <task.bin> <features> <held-out features or "-"> <state folder> [<ledger file>]:
 //          one device (SecureRounds over its SecAggSessions, its secure-input ledger kept in the file,
 //          default in memory) given a scaffold.head.secure or ditto.head.secure task twice, its state
@@ -185,16 +185,20 @@ public final class TaskRunner {
         return printed.toString();
     }
 
-    /** --windows FILE STEP...: one SampleWindows on FILE (a running device), through steps each printed
-     *  as a line: "refusal:S:E:N" and "record:S:E:N" (what it says: "OK" or the reason), "write:TEXT"
-     *  (the operator writes the file), "move" (the operator moves it aside). */
+    /** --windows FILE STEP...: one SampleWindows on FILE (a running device; "-": none, a device without a
+     *  state folder), through steps each printed as a line: "refusal:S:E:N" and "record:S:E:N" (what it
+     *  says: "OK" or the reason), "write:TEXT" (the operator writes the file), "move" (the operator moves
+     *  it aside), "restart" (the device restarted: a fresh SampleWindows on the file;
+     *  tests/test_sample_windows_fuzz.py). */
     static String windowsScript(String[] args) throws Exception {
-        java.io.File file = new java.io.File(args[1]);
-        SampleWindows windows = new SampleWindows(file, SampleWindows.MIN_DIFFERENCE);
+        java.io.File file = args[1].equals("-") ? null : new java.io.File(args[1]);
+        SampleWindows windows = startedLedger(file);
         StringBuilder out = new StringBuilder();
         for (int i = 2; i < args.length; i++) {
             String[] step = args[i].split(":", 2);
-            if (step[0].equals("write")) {
+            if (step[0].equals("restart")) {
+                windows = startedLedger(file);
+            } else if (step[0].equals("write")) {
                 Files.write(file.toPath(), step[1].getBytes("UTF-8"));
             } else if (step[0].equals("move")) {
                 Files.move(file.toPath(), Paths.get(file.getPath() + ".damaged"));
@@ -206,6 +210,11 @@ public final class TaskRunner {
             }
         }
         return out.toString();
+    }
+
+    /** The ledger a device builds at start: kept in file, or none (null: no state folder). */
+    static SampleWindows startedLedger(java.io.File file) {
+        return file == null ? new SampleWindows() : new SampleWindows(file, SampleWindows.MIN_DIFFERENCE);
     }
 
     /** A fresh device's kept sample windows, one per fed3r.stats or fed3r.secure case (tests/fuzz_device.py
