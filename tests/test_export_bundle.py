@@ -107,12 +107,22 @@ def test_executorch_row_slicing_keeps_results(mobilenet_bundle, test_images):
             ExecuTorchInference(program, spec, size, rows_per_call=bad)
 
 
-def test_parity_runs_the_programs_largest_batch(tmp_path, monkeypatch):
+def test_parity_runs_the_programs_largest_batch(tmp_path, monkeypatch, mobilenet_bundle_32px):
     """Fewer parity images (4) than the bound (8), in calls sliced to 3 rows (as rows_per_call slices
     them: one row at 224 px on one thread): the export ran the program on 2 + 2 rows only, never on
     the 8 it was traced and memory-planned for. The parity check now calls it once with 8 rows too
-    (the 4 images repeated), lifting the slicing for that call only, and compares every row."""
+    (the 4 images repeated), lifting the slicing for that call only, and compares every row. The
+    lowering is the shared bundle's program (MobileNetV2, 32 px, bound 8: the one this export would
+    lower, so the suite does not pay for a second lowering of it); the parity run is the export's own."""
     from edge_client.runtime import executorch_runtime
+    from export import pipeline
+    from export.executorch_export import LoweredProgram
+
+    shared = read_manifest(mobilenet_bundle_32px / "manifest.json").find("inference", "executorch")
+    assert shared.batch.max == 8
+    lowered = LoweredProgram((mobilenet_bundle_32px / shared.file).read_bytes(), dict(shared.details["portable_ops"]),
+                             shared.details["delegate_calls"])
+    monkeypatch.setattr(pipeline, "lower_inference_program", lambda model, example, max_batch: lowered)
 
     calls, outputs = [], []
     run_batch = executorch_runtime.ExecuTorchInference._run_batch
