@@ -11,7 +11,6 @@ import pytest
 # failure shows both sides (registered before any test module imports them).
 pytest.register_assert_rewrite("secagg_rounds", "secure_shard_runs", "java_tasks")
 
-import file_seconds
 from ray_cluster import SharedCluster
 from shared_build import build_once, run_folder
 
@@ -130,16 +129,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _slow_files_first(items):
-    """Under pytest-xdist (`make test` runs `-n N --dist loadfile`), the files are collected
-    longest first, by the seconds a full run measured (tests/file_seconds.json, written by
-    tests/file_seconds.py), so the workers start on them and the short files fill in around them:
-    a long file handed out last runs alone at the end (the longest-processing-time-first rule).
-    A file the table does not know comes after those it does, those holding more tests marked
-    ``slow`` first. Only the order changes, and only in xdist workers (a plain run keeps the files'
-    order): the stable sort keeps every file's tests together and in their own order."""
+    """Under pytest-xdist (`make test` runs `-n N --dist loadfile`), the files holding tests
+    marked ``slow`` are collected first, the most slow tests first, so the workers start on them
+    and the short files fill in around them; a long file handed out last would run alone at the
+    end. Only the order changes, and only in xdist workers (a plain run keeps the files' order):
+    the stable sort keeps every file's tests together and in their own order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    seconds = file_seconds.load()
     slow_tests = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
     files: dict = {}
     for item in items:
@@ -147,8 +143,8 @@ def _slow_files_first(items):
     # Within a file, the tests on the shared Ray test cluster (``ray_cluster``) go last: the
     # cluster then lives only while they run (and the next RAY_CLUSTER_FILES' file's), not while
     # the file's other tests do.
-    items.sort(key=lambda item: (-seconds.get(f"tests/{item.path.name}", 0.0), -slow_tests[item.path],
-                                 files[item.path], item.get_closest_marker("ray_cluster") is not None))
+    items.sort(key=lambda item: (-slow_tests[item.path], files[item.path],
+                                 item.get_closest_marker("ray_cluster") is not None))
 
 
 # The machine's one shared Ray test cluster (tests/ray_cluster.py): the files whose tests use it
