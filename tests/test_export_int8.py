@@ -33,13 +33,19 @@ CALIBRATION_COUNT = 32
 FP32_TOLERANCE = 1e-4  # the fp32 artifacts' rule, unchanged by quantization
 
 
+def export_int8(out, batch_size: int, parity_count: int, runtimes: str, *calibration: str) -> int:
+    """``fedfleet export`` of a 3-class int8 MobileNetV2 at IMAGE_SIZE without training programs;
+    ``calibration``: the calibration options (default: CALIBRATION_COUNT train images)."""
+    return main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(out),
+                 "--image-size", str(IMAGE_SIZE), "--batch-size", str(batch_size), "--parity-count", str(parity_count),
+                 "--runtimes", runtimes, "--no-training", "--quantize", "int8",
+                 *(calibration or ("--calibration-count", str(CALIBRATION_COUNT)))])
+
+
 @pytest.fixture(scope="module")
 def int8_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("int8") / "bundle"
-    code = main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(out),
-                 "--image-size", str(IMAGE_SIZE), "--batch-size", "8", "--parity-count", "16",
-                 "--runtimes", "executorch,eager", "--no-training",
-                 "--quantize", "int8", "--calibration-count", str(CALIBRATION_COUNT)])
+    code = export_int8(out, 8, 16, "executorch,eager")
     assert code == 0
     return out / "manifest.json"
 
@@ -113,10 +119,7 @@ def test_badly_calibrated_program_is_refused_and_nothing_written(tmp_path, capsy
     black = tmp_path / "black.npy"
     np.save(black, np.zeros((8, 28, 28), np.uint8))
     out = tmp_path / "bundle"
-    code = main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(out),
-                 "--image-size", str(IMAGE_SIZE), "--batch-size", "1", "--parity-count", "8",
-                 "--runtimes", "executorch", "--no-training",
-                 "--quantize", "int8", "--calibration-images", str(black)])
+    code = export_int8(out, 1, 8, "executorch", "--calibration-images", str(black))
     assert code == 1
     err = capsys.readouterr().err
     assert "no artifact written" in err and "relative L2 error" in err
@@ -160,10 +163,7 @@ def test_an_int8_program_with_one_broken_row_is_refused_and_nothing_written(tmp_
     monkeypatch.setattr(pipeline, "quantize_int8", lambda model, example, calibration, batch_size: model)
     monkeypatch.setattr(pipeline, "_run_eager", lambda *args: one_row_broken(run_eager(*args)))
     out = tmp_path / "bundle"
-    code = main(["--backbone", "mobilenet_v2", "--num-classes", "3", "--out", str(out),
-                 "--image-size", str(IMAGE_SIZE), "--batch-size", "8", "--parity-count", "16",
-                 "--runtimes", "executorch", "--no-training",
-                 "--quantize", "int8", "--calibration-count", str(CALIBRATION_COUNT)])
+    code = export_int8(out, 8, 16, "executorch")
     assert code == 1
     err = capsys.readouterr().err
     assert "no artifact written" in err and "worst row's cosine with eager fp32 -1" in err
