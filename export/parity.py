@@ -92,20 +92,13 @@ def run_for_parity(runtime, inputs: np.ndarray, max_batch: int | None) -> tuple[
     The second run because the first may never reach the largest batch the program was traced and
     memory-planned for: fewer parity images than the bound, or calls sliced smaller
     (``ExecuTorchInference.rows_per_call``: one 224 px row per call on one thread, 16 at 64 px; 40
-    rows at a bound of 32 run as 20 + 20). The slicing cap is lifted for that call.
+    rows at a bound of 32 run as 20 + 20). ``run_one_call`` makes that call unsliced.
     """
     outputs, rows = runtime.run(inputs), np.arange(len(inputs))
     if max_batch is None:
         return outputs, rows
     largest = np.arange(max_batch) % len(inputs)
-    sliced = getattr(runtime, "rows_per_call", None)
-    if sliced is not None:
-        runtime.rows_per_call = max_batch
-    try:
-        largest_outputs = runtime.run(np.ascontiguousarray(inputs[largest]))
-    finally:
-        if sliced is not None:
-            runtime.rows_per_call = sliced
+    largest_outputs = runtime.run_one_call(np.ascontiguousarray(inputs[largest]))
     return np.concatenate([outputs, largest_outputs]), np.concatenate([rows, largest])
 
 

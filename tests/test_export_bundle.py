@@ -111,7 +111,7 @@ def test_parity_runs_the_programs_largest_batch(tmp_path, monkeypatch, mobilenet
     """Fewer parity images (4) than the bound (8), in calls sliced to 3 rows (as rows_per_call slices
     them: one row at 224 px on one thread): the export ran the program on 2 + 2 rows only, never on
     the 8 it was traced and memory-planned for. The parity check now calls it once with 8 rows too
-    (the 4 images repeated), lifting the slicing for that call only, and compares every row. The
+    (the 4 images repeated), unsliced, and compares every row. The
     lowering is the shared bundle's program (MobileNetV2, 32 px, bound 8: the one this export would
     lower, so the suite does not pay for a second lowering of it); the parity run is the export's own."""
     from edge_client.runtime import executorch_runtime
@@ -128,7 +128,7 @@ def test_parity_runs_the_programs_largest_batch(tmp_path, monkeypatch, mobilenet
     run_batch = executorch_runtime.ExecuTorchInference._run_batch
 
     def recorded(self, x):
-        calls.append((len(x), self.rows_per_call))
+        calls.append(len(x))
         outputs.append(run_batch(self, x))
         return outputs[-1]
 
@@ -137,7 +137,7 @@ def test_parity_runs_the_programs_largest_batch(tmp_path, monkeypatch, mobilenet
     parity_images = load_parity_images(count=4)
     manifest = export_bundle("mobilenet_v2", tmp_path / "bundle", num_classes=3, image_size=32, batch_size=8,
                              inference_runtimes=("executorch",), training=False, parity_images=parity_images)
-    assert calls == [(2, 3), (2, 3), (8, 8)]
+    assert calls == [2, 2, 8]
     # the 8-row call ran the 4 images twice over, and its outputs are eager's for them
     _, expected = eager_features("mobilenet_v2", parity_images.images[[0, 1, 2, 3, 0, 1, 2, 3]], 32)
     assert np.max(np.abs(outputs[-1] - expected)) <= TOLERANCE

@@ -171,3 +171,35 @@ def test_batches_are_split_into_equal_slices(rows, batch_max, rows_per_call, exp
     x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
     np.testing.assert_array_equal(run_in_batches(double, x, Spec, rows_per_call), x * 2)
     assert seen == expected
+
+
+def test_one_call_runs_the_programs_bound_unsliced_and_refuses_beyond_it():
+    """``run`` slices as a device runs (the bound, then rows_per_call); ``run_one_call`` hands the
+    whole batch to the program in one call (the parity check's call at the traced batch), and a batch
+    beyond the bound is refused before the program sees it."""
+    from edge_client.runtime.base import BatchedInference
+    from protocols.bundle_manifest import BatchSpec
+
+    class Spec:
+        batch = BatchSpec(max=8)
+
+    class Doubling(BatchedInference):
+        runtime, rows_per_call, _spec, _image_size = "test", 3, Spec, 2
+
+        def __init__(self):
+            self.calls = []
+
+        def _run_batch(self, x):
+            self.calls.append(len(x))
+            return x * 2
+
+    x = np.arange(8 * 12, dtype=np.float32).reshape(8, 3, 2, 2)
+    runtime = Doubling()
+    np.testing.assert_array_equal(runtime.run(x), x * 2)
+    np.testing.assert_array_equal(runtime.run_one_call(x), x * 2)
+    assert runtime.calls == [3, 3, 2, 8]
+    with pytest.raises(ValueError, match="9 rows exceed the program's batch bound 8"):
+        runtime.run_one_call(np.zeros((9, 3, 2, 2), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        runtime.run_one_call(np.zeros((2, 3, 4, 4), np.float32))
+    assert runtime.calls == [3, 3, 2, 8]

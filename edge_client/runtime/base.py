@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -16,6 +17,7 @@ import numpy as np
 from protocols.bundle_manifest import ArtifactSpec
 
 __all__ = [
+    "BatchedInference",
     "InferenceRuntime",
     "PIP_PACKAGES",
     "check_image_batch",
@@ -46,6 +48,35 @@ class InferenceRuntime(Protocol):
     runtime: str
 
     def run(self, x: np.ndarray) -> np.ndarray: ...
+
+
+class BatchedInference(ABC):
+    """A backend that runs one batch (:meth:`_run_batch`); the checks and the slicing into batches
+    the program accepts are here. ``rows_per_call`` (None: no cap beyond the program's bound) caps
+    the rows of one call where a backend runs smaller calls faster (ExecuTorch)."""
+
+    runtime: str
+    rows_per_call: int | None = None
+    _spec: ArtifactSpec
+    _image_size: int
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """``x`` as a device runs it: in calls of at most the program's bound (and ``rows_per_call``)."""
+        return run_in_batches(self._run_batch, check_image_batch(x, self._image_size), self._spec,
+                              self.rows_per_call)
+
+    def run_one_call(self, x: np.ndarray) -> np.ndarray:
+        """``x`` in a single call of the program, ``rows_per_call`` not applied: the call a parity
+        check makes at the largest batch the program was traced and memory-planned for, which
+        :meth:`run`'s slicing may never make. ValueError beyond the program's bound."""
+        x = check_image_batch(x, self._image_size)
+        if self._spec.batch.max is not None and len(x) > self._spec.batch.max:
+            raise ValueError(f"{len(x)} rows exceed the program's batch bound {self._spec.batch.max}")
+        return self._run_batch(x)
+
+    @abstractmethod
+    def _run_batch(self, x: np.ndarray) -> np.ndarray:
+        """One checked, C-contiguous float32 batch within the program's bound through the program."""
 
 
 def check_image_batch(x: object, image_size: int) -> np.ndarray:

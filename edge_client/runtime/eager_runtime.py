@@ -12,7 +12,7 @@ import io
 
 import numpy as np
 
-from edge_client.runtime.base import check_image_batch, run_in_batches
+from edge_client.runtime.base import BatchedInference
 from edge_client.runtime.errors import RuntimeUnavailableError
 from protocols.bundle_manifest import ArtifactSpec, Manifest
 
@@ -67,7 +67,7 @@ def _split(manifest: Manifest):
     return split_backbone(_architecture(manifest), manifest.tail.stages)
 
 
-class EagerInference:
+class EagerInference(BatchedInference):
     """Runs the exported :class:`InferenceModel` eagerly under ``torch.inference_mode``."""
 
     runtime = RUNTIME
@@ -84,10 +84,6 @@ class EagerInference:
         self._model.load_state_dict(state_dict_from_bytes(state), strict=True)
         self._spec = spec
         self._image_size = manifest.input.image_size
-
-    def run(self, x: np.ndarray) -> np.ndarray:
-        x = check_image_batch(x, self._image_size)
-        return run_in_batches(self._run_batch, x, self._spec)
 
     def _run_batch(self, x: np.ndarray) -> np.ndarray:
         import torch

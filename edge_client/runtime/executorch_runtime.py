@@ -32,7 +32,7 @@ import warnings
 
 import numpy as np
 
-from edge_client.runtime.base import check_image_batch, run_in_batches
+from edge_client.runtime.base import BatchedInference
 from edge_client.runtime.errors import RuntimeUnavailableError
 from protocols.bundle_manifest import ArtifactSpec
 
@@ -175,7 +175,7 @@ def _load_failed(spec: ArtifactSpec, error: Exception) -> RuntimeUnavailableErro
         f"{spec.runtime_version}): {error}")
 
 
-class ExecuTorchInference:
+class ExecuTorchInference(BatchedInference):
     """Runs an inference ``.pte``: (N, 3, S, S) float32 -> (N, width) float32.
 
     ``rows_per_call`` caps the rows handed to the program at once (default:
@@ -204,10 +204,6 @@ class ExecuTorchInference:
         self._spec = spec
         self._image_size = image_size
         self.rows_per_call = rows_per_call or default_rows_per_call(image_size, executorch_threads())
-
-    def run(self, x: np.ndarray) -> np.ndarray:
-        x = check_image_batch(x, self._image_size)
-        return run_in_batches(self._run_batch, x, self._spec, self.rows_per_call)
 
     def _run_batch(self, x: np.ndarray) -> np.ndarray:
         import torch

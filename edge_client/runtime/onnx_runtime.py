@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.runtime.base import check_image_batch, run_in_batches
+from edge_client.runtime.base import BatchedInference
 from edge_client.runtime.errors import RuntimeUnavailableError
 from protocols.bundle_manifest import ArtifactSpec
 
@@ -38,7 +38,7 @@ def onnxruntime_version() -> str:
     return onnxruntime.__version__
 
 
-class OnnxRuntimeInference:
+class OnnxRuntimeInference(BatchedInference):
     """Runs an inference ``.onnx``: (N, 3, S, S) float32 -> (N, width) float32."""
 
     runtime = RUNTIME
@@ -67,10 +67,6 @@ class OnnxRuntimeInference:
     def intra_op_threads(self) -> int:
         """The session's intra-op thread count (0: left to ORT, one per physical core)."""
         return self._session.get_session_options().intra_op_num_threads
-
-    def run(self, x: np.ndarray) -> np.ndarray:
-        x = check_image_batch(x, self._image_size)
-        return run_in_batches(self._run_batch, x, self._spec)
 
     def _run_batch(self, x: np.ndarray) -> np.ndarray:
         return self._session.run(None, {self._input_name: x})[0]
