@@ -6,6 +6,7 @@ never hold the unreleased sums."""
 
 import io
 import json
+import logging
 import threading
 import time
 
@@ -16,13 +17,15 @@ from test_dp_over_mqtt import C, D, capping_device, device_data, run_service
 
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.jobs.registry import build_job
+from aggregator.service.job_lifecycle import control_job, create_job
 from aggregator.service.loop import AggregatorService
 from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from aggregator.strategies.dp_fed3r import CalibratedSSP, Fed3RSensitivity, NoisyFed3R
 from edge_client.agent import DeviceAgent
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
-from protocols.mqtt_link import BrokerConfig
+from protocols.envelope import decode
+from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.fed3r import Fed3RStats
 
 P = D + 1
@@ -317,3 +320,96 @@ def test_a_draw_that_fails_keeps_the_held_sums(monkeypatch):
     with pytest.raises(MemoryError):
         s.release_held()
     assert s.unreleased and np.array_equal(s.held.packed_upper(), held) and s.releases == 0
+
+
+def end_that_raises(monkeypatch, error: BaseException) -> list[float]:
+    """Every release at a job's end raises ``error`` (a test patches it in; a job releasing each
+    round releases nothing there, as before); returns the times it was tried."""
+    tries, release = [], NoisyFed3R.release_held
+
+    def release_held(self):
+        if not self.release_at_end:
+            return release(self)
+        tries.append(time.monotonic())
+        raise error
+
+    monkeypatch.setattr(NoisyFed3R, "release_held", release_held)
+    return tries
+
+
+def test_an_end_that_fails_for_good_fails_its_job_once_and_the_service_serves_on(broker, tmp_path, monkeypatch, caplog):
+    """A review's finding: a job whose finalize raised (here its end release, a ValueError as of
+    sums it cannot noise) raised out of the service's run, and every restart finalized it again
+    and failed alike: a crash loop. Now, as a round close that raises, it ends its job failed with
+    one reason (store, results.json, status), logged once with its traceback; the service serves
+    its next job, and a restart never finalizes the failed one again."""
+    store = Store(tmp_path / "state.db")
+    tries = end_that_raises(monkeypatch, ValueError("the held sums are not finite"))
+    next_job = {k: v for k, v in END_JOB.items() if k != "dp_release"} | {"job_id": "next"}    # releases each round
+    for config in (END_JOB, next_job):
+        create_job(store, "fed3r", config)
+        control_job(store, None, config["job_id"], "start")
+    out = tmp_path / "out"
+    svc = AggregatorService(None, BrokerConfig.from_url(broker.url), out,
+                            ServiceSettings(evaluate_every_contribution=False, keep_serving=True),
+                            enrolled=set(IDS), store=store)
+    ended: dict = {}
+
+    def run() -> None:
+        try:
+            svc.run(timeout_s=90)
+        except BaseException as exc:        # the old code: the failed end raised out of the service
+            ended["raised"] = exc
+
+    statuses = []           # the retained status message, as a dashboard reads it
+    watcher = MqttLink("status-watcher", BrokerConfig.from_url(broker.url),
+                       on_message=lambda topic, payload: statuses.append(decode(payload).body),
+                       subscriptions=[(svc.topics.status, 1)])
+    watcher.start()
+    thread = threading.Thread(target=run, daemon=True)
+    with caplog.at_level(logging.ERROR, logger="fedfleet.aggregator"):
+        thread.start()
+        agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                              {"fed3r.stats": capping_device(i, out / "devices")}).start() for i, d in enumerate(IDS)]
+        deadline = time.monotonic() + 90
+        while thread.is_alive() and store.job("next")["state"] != "done" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        serving = thread.is_alive() and svc.call(lambda: svc.live["time"]) > 0     # it still answers
+        svc.stop()
+        thread.join(30)
+        for agent in agents:
+            agent.stop()
+        watcher.stop()
+    assert "raised" not in ended and serving and store.job("next")["state"] == "done"
+    row = store.job("dp-end")
+    reason = "the job cannot end: ValueError: the held sums are not finite"
+    assert row["state"] == "failed" and row["summary"]["error"] == reason and len(tries) == 1
+    assert store.models("dp-end") == [] and store.models("next")
+    saved = json.loads((out / "dp-end" / "results.json").read_text())
+    assert saved["state"] == "failed" and saved["error"] == reason
+    assert [b["state"] for b in statuses if b["job"] == "dp-end"][-1] == "failed"
+    # nothing made from the state its end left is published: only its record
+    assert not (out / "dp-end" / "model.npz").exists() and not (out / "dp-end" / "statistics.npz").exists()
+    logged = [r for r in caplog.records if "dp-end" in r.getMessage()]
+    assert [(r.getMessage(), r.exc_info[0]) for r in logged] == [(f"job dp-end failed: {reason}", ValueError)]
+    # a restart with the job (as `aggregator serve` of its config) ends it as it was: no second try
+    again, _ = serve_with_store(broker, out / "dp-end", store, devices=False)
+    assert again["state"] == "failed" and again["error"] == reason and len(tries) == 1
+    assert store.job("dp-end")["state"] == "failed" and store.job("dp-end")["summary"]["error"] == reason
+
+
+@pytest.mark.parametrize("error", [OSError("disk I/O error"), MemoryError("no room for the noise")])
+def test_an_end_that_fails_for_now_keeps_its_job_running_for_the_next_try(broker, tmp_path, monkeypatch, error):
+    """The environment's failures (a disk's, the memory's) are what a later try gets past: the job
+    stays running in the store with nothing of it published, and the next start ends it with one
+    release. Before, the error raised out of the service's run."""
+    store = Store(tmp_path / "state.db")
+    release = NoisyFed3R.release_held
+    tries = end_that_raises(monkeypatch, error)
+    result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    assert "raised" not in result and len(tries) == 1
+    assert store.job("dp-end")["state"] == "running" and store.models("dp-end") == []
+    assert not (tmp_path / "out" / "results.json").exists()
+    monkeypatch.setattr(NoisyFed3R, "release_held", release)
+    result, job = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    assert result["state"] == "done" and store.job("dp-end")["state"] == "done" and job.strategy.releases == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -44,6 +45,25 @@ from aggregator.storage.schema import JobState
 log = logging.getLogger("fedfleet.aggregator")
 
 CLOSE_ATTEMPTS = 3      # a round's close whose commit fails this many times in a row stops the job
+
+# What makes a job's end (JobRunner.finish) fail that a later try can get past: the job stays running
+# in the store and is taken up again after a growing wait (AggregatorService._finish_job,
+# service/backoff.py). These are the environment's failures, not the job's: OSError (a disk, a
+# blob file, the store's own files: what the retry tests inject, tests/test_dp_release_at_end.py),
+# MemoryError (no room for the end's draw: NoisyFed3R.release_held keeps the held sums for the next
+# try), sqlite3.OperationalError (the store locked or its disk failing while the re-sum reads it).
+# Anything else (a ValueError, an ArithmeticError, a bug) comes from the job's own state and would
+# fail the same way on every try: the job ends failed instead, once.
+TRANSIENT_END_ERRORS = (OSError, MemoryError, sqlite3.OperationalError)
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """What a finished job reports: the job whose model it is (None: its end failed, nothing made
+    from its state is published), its last evaluation, and the model to commit (None: none)."""
+    job: Job | None
+    evaluation: dict
+    model: dict | None
 
 
 @dataclass(frozen=True)
@@ -464,23 +484,81 @@ class JobRunner:
         self.publish_status_body(reporting.status_body(self.a, len(self.fleet.online), len(self.fleet.seen), state))
 
     def finish(self) -> dict:
-        """Write the job's outputs; with a store, commit its final state first (once)."""
+        """Write the job's outputs; with a store, commit its final state first (once). A job whose
+        end raises (its re-sum, finalize, final evaluation or model) is taken up again later when
+        the failure is transient (``TRANSIENT_END_ERRORS``), else ends failed, saying why: as a
+        round close that raises, it stops its job, never the service (no crash loop)."""
         a = self.a
         # a write failed (a result's, a round's close, the finalized state): the job stays running in
         # the store, which resumes it; nothing made from the uncommitted state leaves the process
         if not self.flush_writes() or a.uncommitted is not None:
             return {}
         state = a.final_state or JobState.STOPPED
+        row = self.store.job(a.job_id) if self.store is not None else None
         failure = None
         if state == JobState.DONE:                     # ran out of work: done only if some device contributed
             state, failure = judged_state(a, self.store)
             a.final_state = state
+            if failure:
+                log.warning("job %s failed: %s", a.job_id, failure)
+        elif state == JobState.FAILED and row is not None:      # restored: it failed before, for this reason
+            failure = (row["summary"] or {}).get("error")
         self.crash("job_finishing")
+        try:
+            end = self._job_end(state, row)
+        except TRANSIENT_END_ERRORS:
+            log.exception("job %s: its end failed; it is tried again", a.job_id)
+            a.uncommitted = "the job's end"
+            return {}
+        except Exception as exc:        # fails the same way on every try: the job ends, saying why
+            failure = failure or f"the job cannot end: {type(exc).__name__}: {exc}"
+            log.error("job %s failed: %s", a.job_id, failure, exc_info=exc)
+            if state in FINAL_JOB_STATES:       # an interrupted or stopped job keeps its state (it says why)
+                state = a.final_state = JobState.FAILED
+            end = self._record_only()
+        if end is None:                 # its finalized state could not be committed
+            return {}
+        final_eval = end.evaluation
+        summary = reporting.job_summary(a, state, final_eval, self.bytes_sent())
+        if failure:
+            summary["error"] = failure
+        summary["not_contributed"] = {d: self.fleet.why_missing(d, self.offline_grace_s)
+                                      for d in sorted(self.fleet.seen - set(a.job.contributed))}
+        if row is not None and state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
+            compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
+            self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), end.model, final_eval, a.job.round)
+            # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
+            # start of the service resumes it, exactly as after a crash
+        summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
+        self.crash("job_finished")
+        reporting.write_job_files(a.out_dir, end.job, summary)
+        self.events.write("job_end", a.job.round, state=state, accuracy=final_eval.get("accuracy"))
+        if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
+            self.job_ends.ended(a.job_id, state, a.job)
+        self.publish_status(state)
+        return summary
+
+    def _job_end(self, state: str, row: dict | None) -> JobEnd | None:
+        if state == JobState.FAILED and row is not None and row["state"] == JobState.FAILED:
+            # restored after it failed: its record is committed; its end (what may have failed) is not made again
+            return self._record_only()
+        return self._final_model(state, commit=row is not None and row["state"] not in FINAL_JOB_STATES)
+
+    def _record_only(self) -> JobEnd:
+        """A failed job's end: its last evaluation; no job, no model (nothing made from its state is published)."""
+        return JobEnd(None, self.a.history[-1] if self.a.history else {}, None)
+
+    def _final_model(self, state: str, commit: bool) -> JobEnd | None:
+        """The job's end as reported: the job re-summed canonically, finalized (that committed first),
+        its last evaluation, and (``commit``) the model to store; None when the finalized state could
+        not be committed (the job stays running in the store; nothing made from it leaves)."""
+        a = self.a
+        reports_model = state in FINAL_JOB_STATES and state != JobState.FAILED    # a failed job learnt nothing
         final_job = a.job
         if state in FINAL_JOB_STATES and self.canonical:
             final_job = reported_job(a.applied, a.job, self.store, a.kind, a.job_id)
         changed = False
-        if state in FINAL_JOB_STATES and state != JobState.FAILED:      # a model will be committed
+        if reports_model:
             changed = final_job.finalize()
             if changed and self.store is not None and self.checkpoints:
                 # durable before anything made from it leaves this process: a restart (a crash from
@@ -491,7 +569,7 @@ class JobRunner:
                 except Exception:       # the draw stays in this process; the next start draws its own
                     log.exception("job %s: its finalized state could not be committed", a.job_id)
                     a.uncommitted = "the job's finalized state"
-                    return {}
+                    return None
                 self.crash("job_finalized")
         if changed or not a.history or a.history[-1]["contributions"] != a.job.contributions:
             self._record_eval(final_job)            # the last evaluation is the reported model's
@@ -500,25 +578,4 @@ class JobRunner:
             final_eval = a.history[-1]
         else:
             final_eval = {**a.history[-1], **final_job.evaluate(*self._eval_arrays()), "round": a.job.round}
-        summary = reporting.job_summary(a, state, final_eval, self.bytes_sent())
-        if failure:
-            summary["error"] = failure
-            log.warning("job %s failed: %s", a.job_id, failure)
-        summary["not_contributed"] = {d: self.fleet.why_missing(d, self.offline_grace_s)
-                                      for d in sorted(self.fleet.seen - set(a.job.contributed))}
-        if self.store is not None:
-            row = self.store.job(a.job_id)
-            if state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
-                compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
-                model = final_job.model_arrays() if state != JobState.FAILED else None    # nothing was learnt
-                self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), model, final_eval, a.job.round)
-            # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
-            # start of the service resumes it, exactly as after a crash
-        summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
-        self.crash("job_finished")
-        reporting.write_job_files(a.out_dir, final_job, summary)
-        self.events.write("job_end", a.job.round, state=state, accuracy=final_eval.get("accuracy"))
-        if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
-            self.job_ends.ended(a.job_id, state, a.job)
-        self.publish_status(state)
-        return summary
+        return JobEnd(final_job, final_eval, final_job.model_arrays() if commit and reports_model else None)

@@ -118,7 +118,10 @@ def job_summary(a: ActiveJob, state: str, final_eval: dict, bytes_out: int) -> d
 
 
 def write_job_files(out_dir: Path, final_job, summary: dict) -> None:
-    if not final_job.model_held:        # a stopped job that releases its model at the end has none yet
-        np.savez(out_dir / "model.npz", **final_job.model_arrays())
-    np.savez(out_dir / "statistics.npz", **published_state(final_job.state_dict()))
+    """The job's files; ``final_job`` None: its end failed, and nothing made from its state (which
+    that end may have left half made: a draw, a failed solve) is published, only its record."""
+    if final_job is not None:
+        if not final_job.model_held:        # a stopped job that releases its model at the end has none yet
+            np.savez(out_dir / "model.npz", **final_job.model_arrays())
+        np.savez(out_dir / "statistics.npz", **published_state(final_job.state_dict()))
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
