@@ -372,16 +372,24 @@ def follow_deployments(args, broker, extractors, holdout_images, holdout_labels,
     the held-out split's features through the bundle it names (else --bundle-sha's); OLL-pruned to
     ``local_labels`` (the training labels) when the device personalises."""
     from edge_client.deployment import DeploymentFollower, ModelSlot
+    from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
     from protocols.topics import Topics
 
-    features: dict[str, object] = {}
+    # bundle sha256 -> its held-out features, for as many bundles as the device keeps programs, the least
+    # recently asked for leaving first: every assignment may name a new bundle, and kept whole they grew
+    # with each one for the process's life (a review's finding); asked for again, they are extracted again
+    features: collections.OrderedDict[str, object] = collections.OrderedDict()
 
     def holdout(bundle_sha: str):
         sha = bundle_sha or args.bundle_sha
         if not sha:
             raise ValueError("the head names no bundle and this device has no --bundle-sha to read features with")
-        if sha not in features:
+        if sha in features:
+            features.move_to_end(sha)
+        else:
             features[sha] = extractors.get(sha)[0].extract(holdout_images)
+            while len(features) > MAX_HELD_EXTRACTORS:
+                features.popitem(last=False)
         return features[sha], holdout_labels
 
     slot = ModelSlot(args.deployments, local_labels)
