@@ -6,6 +6,7 @@ import argparse
 import collections
 import signal
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -222,6 +223,9 @@ def _start_device(args) -> SimpleNamespace:
 # the default cap on a decoded image folder (edge_client.data.image_folder.MAX_FOLDER_BYTES, not imported
 # here: building the parser must not import the data readers)
 IMAGE_FOLDER_MB = 4096.0
+# the longest a deployment follower waits for a bundle an assignment names (its held-out features): the
+# follower's own fetch window (DeploymentFollower.fetch_timeout_s), as a task's fetch ends with its deadline
+HELD_OUT_FETCH_S = 60.0
 DISK_CHECK_S = 30.0      # how often a running device trims its feature cache and fetched bundles
 
 
@@ -373,6 +377,7 @@ def follow_deployments(args, broker, extractors, holdout_images, holdout_labels,
     ``local_labels`` (the training labels) when the device personalises."""
     from edge_client.deployment import DeploymentFollower, ModelSlot
     from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
+    from edge_client.work_deadline import working_until
     from protocols.topics import Topics
 
     # bundle sha256 -> its held-out features, for as many bundles as the device keeps programs, the least
@@ -387,7 +392,11 @@ def follow_deployments(args, broker, extractors, holdout_images, holdout_labels,
         if sha in features:
             features.move_to_end(sha)
         else:
-            features[sha] = extractors.get(sha)[0].extract(holdout_images)
+            # no task's deadline bounds a fetch on the follower's thread: without its own window it waited
+            # 120 s a file, holding the bundle lock every task's extractor waits on (a review's finding)
+            with working_until(time.time() + HELD_OUT_FETCH_S):
+                extractor = extractors.get(sha)[0]
+            features[sha] = extractor.extract(holdout_images)
             while len(features) > MAX_HELD_EXTRACTORS:
                 features.popitem(last=False)
         return features[sha], holdout_labels

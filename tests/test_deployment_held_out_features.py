@@ -1,4 +1,4 @@
-"""The device command's deployment follower keeps the held-out features of only the last few bundles.
+"""The device command's deployment follower: the held-out features of the last few bundles only, fetched within its window.
 
 A hostile review of the device's input paths found that ``fedfleet device --deployments`` kept the
 held-out split's features of every bundle an assignment ever named (``follow_deployments``' holdout),
@@ -76,5 +76,48 @@ def test_held_out_features_are_kept_for_the_last_bundles_only(broker, tmp_path):
         assert bundles.extracted == BUNDLES
         np.testing.assert_array_equal(follower.holdout(BUNDLES[0])[0], expected_features(BUNDLES[0], len(images)))
         assert bundles.extracted == BUNDLES + [BUNDLES[0]]
+    finally:
+        follower.stop()
+
+
+def test_a_bundle_the_follower_fetches_is_waited_for_no_longer_than_its_window(broker, tmp_path, monkeypatch):
+    """The follower fetched an assignment's bundle with no time bound of its own: outside any task,
+    ``fetch_bundle`` waited 120 s for each of up to 32 files, holding the device's bundle lock (every
+    task naming a bundle waited behind it) for an assignment naming a bundle nobody serves. Now a
+    fetch for held-out features ends with the follower's window (``HELD_OUT_FETCH_S``), as a task's
+    fetch ends with its deadline. No aggregator answers here: the fetch can only time out."""
+    import threading
+    import time
+
+    import fedfleet.device as device
+    from edge_client.artifacts import ArtifactFetchError
+    from protocols.topics import Topics
+
+    monkeypatch.setattr(device, "HELD_OUT_FETCH_S", 1.0, raising=False)
+    broker_config = BrokerConfig.from_url(broker.url)
+    bundles = device.FetchedBundles("cam1", broker_config, Topics(), tmp_path / "bundles", "onnxruntime", None,
+                                    default=None, local=None)
+    args = SimpleNamespace(id="cam1", bundle_sha=None, deployments=tmp_path / "slot", topic_root="fedfleet",
+                           aggregator_key=None)
+    follower = follow_deployments(args, broker_config, bundles, np.zeros((2, 8, 8), np.uint8), np.arange(2),
+                                  signer=None)
+    outcome = []
+
+    def ask():
+        try:
+            follower.holdout("ab" * 32)
+        except Exception as exc:        # noqa: BLE001 (what the follower's _adopt catches)
+            outcome.append(exc)
+
+    try:
+        started = time.monotonic()
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(30)
+        assert not asking.is_alive(), "the follower's fetch outlasted its window"
+        assert time.monotonic() - started < 15
+        assert len(outcome) == 1 and isinstance(outcome[0], ArtifactFetchError), outcome
+        assert bundles.lock.acquire(timeout=1)          # the bundle lock is free again
+        bundles.lock.release()
     finally:
         follower.stop()
