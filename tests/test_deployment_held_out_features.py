@@ -1,4 +1,4 @@
-"""The device command's deployment follower: the held-out features of the last few bundles only, fetched within its window.
+"""The device command's deployment follower: held-out features of the last bundles only, fetched in a window.
 
 A hostile review of the device's input paths found that ``fedfleet device --deployments`` kept the
 held-out split's features of every bundle an assignment ever named (``follow_deployments``' holdout),
