@@ -204,14 +204,20 @@ class ExecuTorchInference(BatchedInference):
         self._spec = spec
         self._image_size = image_size
         self.rows_per_call = rows_per_call or default_rows_per_call(image_size, executorch_threads())
+        # One call at a time: a loaded method computes in its memory-planned buffers, so two threads
+        # calling it at once overwrote each other's activations and got wrong features back, silently
+        # (measured: 39 of 120 calls from 4 threads). A device's deployment follower extracts on its own
+        # thread with the extractor its tasks use, and an app embedding the SDK may share one too.
+        self._call_lock = threading.Lock()
 
     def _run_batch(self, x: np.ndarray) -> np.ndarray:
         import torch
 
         # from_numpy shares x's memory; clone_outputs=False hands back the program's own
-        # output buffer, which the next call overwrites, so it is copied exactly once here.
-        outputs = self._method.call((torch.from_numpy(x),), clone_outputs=False)
-        return outputs[0].numpy().copy()
+        # output buffer, which the next call overwrites, so it is copied exactly once here (under the lock).
+        with self._call_lock:
+            outputs = self._method.call((torch.from_numpy(x),), clone_outputs=False)
+            return outputs[0].numpy().copy()
 
 
 class ExecuTorchTrainer:
