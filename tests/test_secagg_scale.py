@@ -238,35 +238,63 @@ def test_the_size_check_refuses_what_the_envelope_encoder_refuses():
 
 
 # ---------------------------------------------------------------- phase timer: no progress, not age
-def test_a_phase_times_out_after_phase_timeout_without_an_answer_not_after_it_opened():
-    """A large group's answers keep arriving for longer than phase_timeout_s (each device computes
-    and uploads in turn): the phase stays open while they come, and times out only once none has
-    come for phase_timeout_s. A fixed timer would have closed it at t = 10 and made the later
-    answers late."""
-    ids = [f"dev{i}" for i in range(5)]
+def group_in_the_shares_phase(phase_timeout_s: float, members: int = 5):
+    """A Fed3R-Sync group of ``members`` whose keys phase closed at t = 1 (every key in): the job,
+    the members' key directories (the shares phase's requests), and ``answer(device, request, now)``
+    (the member's reply fed to the job; what the job sends back)."""
+    ids = [f"dev{i}" for i in range(members)]
     identities = {d: DeviceIdentity.generate(d) for d in ids}
     registry = IdentityRegistry({d: i.public_key_bytes for d, i in identities.items()})
-    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="slow", num_classes=2, feature_dim=2, clients_per_round=5,
-                                       max_samples=10, phase_timeout_s=10.0), identity=AGGREGATOR, registry=registry)
+    job = Fed3RSyncJob(Fed3RSyncConfig(job_id="slow", num_classes=2, feature_dim=2, clients_per_round=members,
+                                       max_samples=10, phase_timeout_s=phase_timeout_s),
+                       identity=AGGREGATOR, registry=registry)
     job.next_participants(set(ids))
     round_id = job.secure.config.round_id
     clients = {d: ClientSecAgg(identities[d], "aggregator", AGGREGATOR.public_key_bytes, job_id="slow",
                                round_id=round_id, group_id=f"g{round_id}") for d in ids}
-    starts = dict(job.on_protocol_tick(0.0))
 
-    def answer(device, now):
-        [reply] = clients[device].handle(from_envelope(starts[device]))
+    def answer(device, request, now):
+        [reply] = clients[device].handle(from_envelope(request))
         return job.on_protocol(device, to_envelope(reply), now)
 
-    for i, device in enumerate(ids[:3]):                  # one answer every 6 s: 0 → 18 s
-        assert answer(device, 6.0 * (i + 1)) == []
-        assert job.on_protocol_tick(6.0 * (i + 1) + 5.0) == []       # 11, 17, 23 s: still open
-    assert job.secure.phase is Phase.ADVERTISE_KEYS
-    assert answer(ids[3], 27.0) == []                      # 27 s after it opened, 9 s after the last
-    assert job.on_protocol_tick(36.0) == []                # 9 s without an answer: still waiting for dev4
-    directories = job.on_protocol_tick(37.5)               # 10.5 s without: it closes with the four
-    assert sorted(device for device, _ in directories) == ids[:4]
+    starts = dict(job.on_protocol_tick(0.0))
+    directories = dict(sent for device in ids for sent in answer(device, starts[device], 1.0))
+    assert job.secure.phase is Phase.SHARE_KEYS and sorted(directories) == ids
+    return job, ids, directories, answer
+
+
+def test_a_phase_times_out_after_phase_timeout_without_an_answer_not_after_it_opened():
+    """A large group's answers keep arriving for longer than phase_timeout_s (each device computes
+    and uploads in turn): the phase stays open while they come, and times out only once none has
+    come for phase_timeout_s. A fixed timer would have closed it at t = 11 and made the later
+    answers late. (The shares phase: the first, which holds the members' local work, has no idle
+    limit: tests/test_secagg_slow_member.py.)"""
+    job, ids, directories, answer = group_in_the_shares_phase(10.0)
+    for i, device in enumerate(ids[:3]):                  # one answer every 6 s: 7 → 19 s
+        assert answer(device, directories[device], 1.0 + 6.0 * (i + 1)) == []
+        assert job.on_protocol_tick(6.0 * (i + 1) + 6.0) == []       # 12, 18, 24 s: still open
     assert job.secure.phase is Phase.SHARE_KEYS
+    assert answer(ids[3], directories[ids[3]], 28.0) == []     # 27 s after it opened, 9 s after the last
+    assert job.on_protocol_tick(37.0) == []                # 9 s without an answer: still waiting for dev4
+    forwarded = job.on_protocol_tick(38.5)                 # 10.5 s without: it closes with the four
+    assert sorted(device for device, _ in forwarded) == ids[:4]
+    assert job.secure.phase is Phase.MASKED_INPUT
+
+
+def test_a_member_flapping_its_presence_does_not_hold_a_phase_open():
+    """A review's suspicion, confirmed: every MemberOffline restarted the phase timer, so a device
+    going offline again and again kept the phase open up to the round's deadline. Only progress
+    (an accepted answer, a closed phase) restarts it now."""
+    job, ids, directories, answer = group_in_the_shares_phase(5.0, members=7)
+    for device in ids[1:6]:                                # five of seven answer (t = 5); ids[6] stays silent
+        assert answer(device, directories[device], 2.0) == []
+    closed_at = None
+    for t in range(3, 15):                                 # ids[0] flaps every second, never answering
+        sent = job.member_offline(ids[0], float(t)) + job.on_protocol_tick(float(t))
+        if sent and closed_at is None:
+            closed_at, forwarded = t, sent
+    assert closed_at == 8                                  # more than 5 s after the last progress (t = 2)
+    assert sorted(device for device, _ in forwarded) == ids[1:6]
 
 
 # ---------------------------------------------------------------- consistency signatures checked once per process

@@ -95,3 +95,22 @@ def test_the_phase_budgets_end_the_round_by_its_target_however_the_phases_are_st
         quick.opened(0.5)                       # the first phase closed on its last answer
         assert quick.closes_at - 0.5 >= (target - 0.5) / 2      # the open phase keeps half the time left
         assert not quick.due(0.5 + idle) and quick.due(0.5 + idle + 0.01)   # idle: as before
+
+
+def test_the_first_phase_waits_for_the_members_local_work_up_to_its_budget_not_the_idle_limit():
+    """A device trains (or computes its statistics) on its task before it reads the RoundStart, so
+    the first phase holds the members' local work: with the idle limit there, a fleet training longer
+    than phase_timeout_s lost every member at the first phase. It ends at its budget only; every
+    later phase keeps the idle limit."""
+    from aggregator.jobs.phase_clock import PhaseClock
+
+    idle, round_s, phases = 5.0, 120.0, 5
+    clock = PhaseClock(idle, round_s, phases)
+    clock.start(0.0)
+    budget = clock.closes_at
+    assert budget > 10 * idle
+    assert not clock.due(idle + 1) and not clock.due(budget - 1e-6) and clock.due(budget)
+    clock.progress(3.0)                         # some members answered: the others may still be training
+    assert not clock.due(3.0 + idle + 1)
+    clock.opened(40.0)                          # the last one answered at 40 s: the second phase opens
+    assert not clock.due(40.0 + idle) and clock.due(40.0 + idle + 0.01)

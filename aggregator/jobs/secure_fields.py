@@ -42,7 +42,8 @@ class SecureAggregationFields(JobConfig):
     ring_bits: int = limited(RING_BITS, OneOf(RINGS))
     # per device; with the per-entry bound it fixes the vector's bound
     max_samples: int = limited(10_000, MAX_SAMPLES)
-    # a phase gives up on its missing members this long after its last answer
+    # a phase gives up on its missing members this long after its last answer; the first, which
+    # holds the members' local work, at its share of round_timeout_s (aggregator/jobs/phase_clock.py)
     phase_timeout_s: float = limited(30.0, TIMEOUT_S)
     # masked inputs being uploaded at once, in bytes: the rest wait their turn
     # (aggregator/jobs/upload_window.py); half the aggregator's 1 GiB reassembly buffer
