@@ -103,6 +103,13 @@ class MessageHandler(ABC):
     def on_message(self, env: Envelope) -> list[Envelope]:
         """The answers to one message of its type."""
 
+    # A protocol whose rounds end on the clock (a SecAgg session's deadline) defines these two:
+    # the agent calls ``expire`` on every tick, and ticks an idle device while ``expiring``.
+    expiring: bool = False
+
+    def expire(self, now: float) -> None:
+        """End what is held for rounds over by ``now`` (unix s, this device's clock)."""
+
 
 class TaskHandler(Protocol):
     """params: the task's JSON parameters; tensors: the task's tensors (e.g. a global model)."""
@@ -224,9 +231,17 @@ class DeviceAgent:
     @property
     def wants_tick(self) -> bool:
         """Whether a tick may do anything: a result awaiting its ack (retries), an outage to end,
-        an availability to follow. An idle, online, always available device's tick is a no-op."""
+        an availability to follow, a secure session to end at its deadline. An idle, online, always
+        available device's tick is a no-op."""
         return not (self.hooks.always_available and self.online and self.session.state is DeviceState.IDLE
-                    and time.monotonic() >= self._outage_until)
+                    and time.monotonic() >= self._outage_until
+                    and not any(getattr(handler, "expiring", False) for handler in self._message_handlers()))
+
+    def _message_handlers(self) -> list[MessageHandler]:
+        """The protocol handlers of message types that end rounds on the clock (``MessageHandler.expire``;
+        one that does not inherit the interface may leave it out)."""
+        return [handler for handler in self.protocol_handlers.values()
+                if isinstance(handler, MessageHandler) and callable(getattr(handler, "expire", None))]
 
     def _go_online(self) -> None:
         self.link.start()
@@ -255,6 +270,9 @@ class DeviceAgent:
         # partial chunked messages past their TTL (an aggregator that stopped mid-send, or forged
         # first chunks) would otherwise hold the sender's slots, and refuse its later tasks, for ever
         self.assembler.reassembler.expire()
+        wall = time.time()          # protocol rounds end at a task's deadline: wall-clock time
+        for handler in self._message_handlers():
+            handler.expire(wall)
         self._execute(self.session.handle(Tick(now)))
         self._follow_availability()
 

@@ -42,6 +42,12 @@ def working_until(unix_s: float):
         _UNTIL.reset(token)
 
 
+def round_over_at() -> float | None:
+    """The moment (unix s, the device's clock) the work under way's round is surely over; None
+    outside a task. A secure task's SecAgg session ends there (``edge_client/tasks/secure_update.py``)."""
+    return _UNTIL.get()
+
+
 def seconds_left() -> float | None:
     """How long the work under way may still run (0 once past its moment); None outside a task."""
     until = _UNTIL.get()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -31,12 +33,13 @@ from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
 from protocols.payloads.secure_tasks import SecureUpdateRound
 from protocols.payloads.task_params import DpRound, WireParams
-from protocols.secagg import ClientSecAgg, ClientState, ReleaseRefused, SecAggError
+from protocols.secagg import ClientSecAgg, ClientState, ReleaseRefused, SecAggError, Timeout
 from protocols.secagg.distributed_dp import add_skellam_noise
 from protocols.secagg.fixedpoint import RING_BITS
 
 from ..agent import MessageHandler, SecureTaskHandler, TaskDeclined
 from ..secure_inputs import LOST_REASON, SecureInputLedger, input_key
+from ..work_deadline import round_over_at
 from .params import read_params
 
 log = logging.getLogger("fedfleet.device.secagg")
@@ -47,30 +50,70 @@ class SecAggSessions(MessageHandler):
 
     Register it as the agent's ``secagg`` message handler; every ``SecureUpdate`` of the device
     opens its sessions here, so one device can serve several secure task kinds. ``inputs``: the
-    device's secure-input ledger, shared by those kinds (default: one in memory)."""
+    device's secure-input ledger, shared by those kinds (default: one in memory).
 
-    def __init__(self, device_id: str, max_sessions: int = 4, inputs: SecureInputLedger | None = None):
+    A session ends where its round can no longer complete: at its task's deadline plus the clocks'
+    grace (``ends_at``, ``edge_client/work_deadline.py``: the aggregator gives the round up at its
+    deadline), or when ``max_sessions`` newer rounds push it out. SecAgg's security assumes a round's
+    secrets (its private keys, its neighbours' shares, its input) are erased when the round ends, so
+    an ending session is fed a Timeout: the client's own abort path erases them, and the session
+    is forgotten (a late message for it is refused, as for a round the aggregator aborted). The
+    agent calls :meth:`expire` on every tick; each message and task checks ``clock`` (unix s, the
+    device's: what the deadline is read on) first too, so a late message finds its round over
+    between ticks."""
+
+    def __init__(self, device_id: str, max_sessions: int = 4, inputs: SecureInputLedger | None = None,
+                 clock: Callable[[], float] = time.time):
         self.device_id, self.max_sessions = device_id, max_sessions
         self.sessions: dict[tuple[str, int, str], ClientSecAgg] = {}
+        self.ends_at: dict[tuple[str, int, str], float] = {}     # sessions opened with an end
         self.inputs = SecureInputLedger() if inputs is None else inputs
+        self.clock = clock
 
     def live(self, key: tuple[str, int, str]) -> bool:
         """Whether the round ``key`` is open here and not over."""
         client = self.sessions.get(key)
         return client is not None and client.state not in (ClientState.FINISHED, ClientState.ABORTED)
 
-    def open(self, key: tuple[str, int, str], client: ClientSecAgg) -> bool:
-        """Open ``key``'s round with ``client``; False (nothing changed) where a live one holds it."""
+    @property
+    def expiring(self) -> bool:
+        """Whether a session waits for its end (the agent then ticks even when otherwise idle)."""
+        return bool(self.ends_at)
+
+    def open(self, key: tuple[str, int, str], client: ClientSecAgg, ends_at: float | None = None) -> bool:
+        """Open ``key``'s round with ``client`` until ``ends_at`` (unix s, the device's clock; None:
+        no end but ``max_sessions``); False (nothing changed) where a live one holds it."""
+        self.expire()
         if self.live(key):
             return False
-        self.sessions.pop(key, None)
+        self._forget(key)
         self.sessions[key] = client
-        while len(self.sessions) > self.max_sessions:          # forget the oldest rounds
-            self.sessions.pop(next(iter(self.sessions)))
+        if ends_at is not None:
+            self.ends_at[key] = float(ends_at)
+        while len(self.sessions) > self.max_sessions:          # the oldest rounds: this device leaves them
+            self._end(next(iter(self.sessions)), "pushed out by newer rounds")
         return True
+
+    def expire(self, now: float | None = None) -> None:
+        """End every session whose round is over by ``now`` (default: the clock)."""
+        now = self.clock() if now is None else now
+        for key in [key for key, end in self.ends_at.items() if now > end]:
+            self._end(key, "past its deadline")
+
+    def _end(self, key: tuple[str, int, str], why: str) -> None:
+        """Forget ``key``'s session, a live one through its client's abort path (secrets erased)."""
+        client = self._forget(key)
+        if client is not None and client.phase is not None:
+            client.handle(Timeout(client.phase))
+            log.info("%s: secure round %s/%s/%s %s: left, its secrets erased", self.device_id, *key, why)
+
+    def _forget(self, key: tuple[str, int, str]) -> ClientSecAgg | None:
+        self.ends_at.pop(key, None)
+        return self.sessions.pop(key, None)
 
     def on_message(self, env: Envelope) -> list[Envelope]:
         msg = from_envelope(env)
+        self.expire()
         client = self.sessions.get((msg.job_id, msg.round_id, msg.group_id))
         if client is None:
             log.info("%s: secagg message for an unknown session %s/%s/%s", self.device_id,
@@ -80,19 +123,19 @@ class SecAggSessions(MessageHandler):
         try:
             replies = [to_envelope(r) for r in client.handle(msg)]
         except ReleaseRefused as exc:       # the round is aborted: the input does not leave
-            self.sessions.pop(key, None)
+            self._forget(key)
             log.warning("%s: leaves secure round %s/%s: %s", self.device_id, msg.job_id, msg.round_id, exc)
             return []
         except SecAggError as exc:
             log.warning("%s: secagg error: %s", self.device_id, exc)
             return []
         except UnsendableMessage as exc:       # its answer cannot travel: sit the round out (a dropout)
-            self.sessions.pop(key, None)
+            self._end(key, "its answer cannot be sent")
             log.warning("%s: leaves secure round %s/%s: %s", self.device_id, msg.job_id, msg.round_id, exc)
             return []
         if client.state in (ClientState.FINISHED, ClientState.ABORTED):
             # done, or the server aborted the round (its secrets are already erased)
-            self.sessions.pop(key, None)
+            self._forget(key)
             if client.abort_reason is not None:
                 log.info("%s: secure round %s/%s aborted by the aggregator: %s", self.device_id, msg.job_id,
                          msg.round_id, client.abort_reason)
@@ -165,6 +208,7 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
         tensors = tensors or {}
         secure = read_params(self.round_type, params)
         key = (job, round_, secure.group)
+        self.sessions.expire()                  # a round over by now is no live one to keep
         if self.sessions.live(key):             # a re-sent task: its round goes on with the keys it has
             log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
             return []
@@ -182,9 +226,18 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
                                   release_guard=self.sessions.inputs.release(named))
         except SecAggError as exc:
             raise TaskDeclined(f"secure aggregation refused the update: {exc}") from exc
-        if not self.sessions.open(key, client):     # opened meanwhile by the same task
+        # the session ends with the task's round: the agent runs on_task until that moment
+        if not self.sessions.open(key, client, ends_at=round_over_at()):     # opened meanwhile by the same task
             log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
         return []
 
     def on_message(self, env: Envelope) -> list[Envelope]:
         return self.sessions.on_message(env)
+
+    # registered as the ``secagg`` handler too (a device of one secure kind): its sessions' clock
+    @property
+    def expiring(self) -> bool:
+        return self.sessions.expiring
+
+    def expire(self, now: float | None = None) -> None:
+        self.sessions.expire(now)

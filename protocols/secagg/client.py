@@ -53,7 +53,7 @@ from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, Round
     pair_mask_sign, self_mask_commitment, share_associated_data, share_encryption_key
 from .errors import (BadSignature, ConfigError, DecryptionError, InputError, MalformedMessage, ProtocolViolation,
                      ReleaseRefused, ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
-from .events import Timeout
+from .events import Phase, Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature, EncryptedShares,
                        ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
@@ -158,6 +158,15 @@ class ClientSecAgg:
         values = np.asarray(values)
         encoded = self._encode(values, self.config) if self.config is not None else None
         self._raw_input, self._encoded_input = values, encoded
+
+    @property
+    def phase(self) -> Phase | None:
+        """The phase whose opening request this client awaits (RoundStart opens ADVERTISE_KEYS, the
+        KeyDirectory SHARE_KEYS, ...), None once its round is over: what the caller's clock names in
+        a Timeout (any one aborts a live round: CLIENT_TABLE's Timeout row)."""
+        if self.state is _S.INPUT_SENT:
+            return Phase.CONSISTENCY_CHECK if self.config.consistency_check else Phase.UNMASK
+        return _AWAITED_PHASE.get(self.state)
 
     def handle(self, event: Message | Timeout) -> list[Message]:
         """The replies to `event`, by CLIENT_TABLE. A message is authenticated first; one the table
@@ -445,6 +454,10 @@ def _phase(handler: Callable[[ClientSecAgg, Message], list[Message]], next_state
         return outgoing
     return effect
 
+
+# the phase each state waits in (INPUT_SENT's depends on the config: ClientSecAgg.phase)
+_AWAITED_PHASE = {_S.WAITING_CONFIG: Phase.ADVERTISE_KEYS, _S.ADVERTISED: Phase.SHARE_KEYS,
+                  _S.SHARES_SENT: Phase.MASKED_INPUT, _S.CONSISTENCY_SENT: Phase.UNMASK}
 
 _C = ClientSecAgg
 _LIVE = tuple(state for state in ClientState if state not in FINAL_STATES)
