@@ -54,15 +54,18 @@ M, BOUND = 64, 50.0
 class JavaClient:
     """The driver's client interface (handle, state, provide_input) over the Java bridge."""
 
-    def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path, dp: bool = False, ledger=None):
-        """``ledger``: the state folder of the device's secure-input ledger (None: no ledger)."""
+    def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path, dp: bool = False, ledger=None,
+                 ends: float | None = None):
+        """``ledger``: the state folder of the device's secure-input ledger (None: no ledger);
+        ``ends``: when the device's round ends (unix s on the bridge's clock; None: never)."""
         self.key = DeviceIdentity.from_private_bytes(JAVA, seed).public_key_bytes
         (tmp_path / "input.f64").write_bytes(np.asarray(vector, "<f8").tobytes())
         self.proc = subprocess.Popen(
             java_build.java_command("-cp", java_build.built(), "SecAggBridge", JAVA, seed.hex(),
                                     AGGREGATOR.public_key_bytes.hex(), config.job_id, str(config.round_id),
                                     config.group_id, str(tmp_path / "input.f64"), *(["dp"] if dp else []),
-                                    *([f"ledger={ledger}"] if ledger is not None else [])),
+                                    *([f"ledger={ledger}"] if ledger is not None else []),
+                                    *([f"ends={ends!r}"] if ends is not None else [])),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.state = ClientState.WAITING_CONFIG
         self.refusals: list[str] = []
@@ -105,12 +108,25 @@ class JavaClient:
         assert kind == "STATE", self.proc.stderr.read()[-3000:]
         self.state = ClientState[rest]
 
+    def tick(self, now: float) -> tuple[bool, int]:
+        """The device's clock at ``now`` and its sessions ticked: (secrets held, rounds open)."""
+        self.proc.stdin.write(f"CLOCK {now!r}\n")
+        self.proc.stdin.flush()
+        kind, _, rest = self.proc.stdout.readline().strip().partition(" ")
+        assert kind == "HELD", self.proc.stderr.read()[-3000:]
+        held, open_rounds = rest.split()
+        kind, _, state = self.proc.stdout.readline().strip().partition(" ")
+        assert kind == "STATE", self.proc.stderr.read()[-3000:]
+        self.state = ClientState[state]
+        return held == "true", int(open_rounds)
+
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(10)
 
 
-def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0, ring_bits: int = 64, dp: bool = False, m: int = M):
+def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0, ring_bits: int = 64, dp: bool = False, m: int = M,
+                ends: float | None = None):
     rng = np.random.default_rng(seed)
     python_ids = {f"dev-py{i}": DeviceIdentity.generate(f"dev-py{i}") for i in range(n - 1)}
     java_seed = os.urandom(32)
@@ -119,7 +135,7 @@ def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0, ring_bits: int 
                                 members=list(identities), vector_length=m, bound=BOUND, graph=graph,
                                 degree=4 if graph == "regular" else None, ring_bits=ring_bits)
     inputs = {d: rng.uniform(-BOUND, BOUND, m) for d in identities}
-    java = JavaClient(java_seed, config, inputs[JAVA], tmp_path, dp=dp)
+    java = JavaClient(java_seed, config, inputs[JAVA], tmp_path, dp=dp, ends=ends)
     return config, identities, inputs, java
 
 
@@ -200,6 +216,57 @@ def test_java_device_keeps_its_live_round_when_its_task_comes_again(tmp_path):
     finally:
         java.close()
     assert java.refusals == [] and java.state is ClientState.FINISHED
+    assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
+
+
+ENDS = 1_000_000.0         # the Java device's round ends then (its task's deadline plus the grace)
+
+
+def test_java_device_erases_a_round_past_its_deadline_and_refuses_late_messages(tmp_path):
+    """The Java device's SecAggSessions end a round at its task's deadline plus the grace, through
+    the client's abort path (as edge_client/tasks/secure_update.py): once the device's shares are
+    out, a tick before the end keeps the round; a tick past it aborts it, no secret held, nothing
+    open, and the late forwarded shares are refused as for an aborted round. The server sums the
+    others (the Java device a dropout). It used to keep the round until four newer ones came."""
+    config, identities, inputs, java = setup_round(tmp_path, "complete", ends=ENDS)
+    ticks = []
+
+    def vanish_and_come_back(msg):
+        if isinstance(msg, ForwardedShares) and msg.recipient == JAVA:
+            ticks.append((java.tick(ENDS - 1.0), java.state))
+            ticks.append((java.tick(ENDS + 1.0), java.state))
+        return [msg]
+
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, intercept=vanish_and_come_back,
+                        client_factory=lambda d, i: java if d == JAVA else None)
+    finally:
+        java.close()
+    assert ticks == [((True, 1), ClientState.SHARES_SENT), ((False, 0), ClientState.ABORTED)]
+    assert java.state is ClientState.ABORTED and len(java.refusals) == 1
+    assert "forwarded_shares: round already ABORTED" in java.refusals[0]
+    survivors = tuple(d for d in config.members if d != JAVA)
+    assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == survivors
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+
+
+def test_java_device_keeps_a_round_before_its_end(tmp_path):
+    """Ticks up to just before the end at every message: the Java device's round completes and is in the sum."""
+    config, identities, inputs, java = setup_round(tmp_path, "complete", ends=ENDS)
+
+    def tick(msg):
+        if msg.recipient == JAVA:
+            assert java.tick(ENDS)[1] == 1           # at the end exactly: not past it
+        return [msg]
+
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, intercept=tick,
+                        client_factory=lambda d, i: java if d == JAVA else None)
+        after = java.tick(ENDS + 1.0)                   # a finished round is forgotten, not aborted
+    finally:
+        java.close()
+    assert java.refusals == [] and java.state is ClientState.FINISHED and after == (False, 0)
     assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
     assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
 

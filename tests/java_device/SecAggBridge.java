@@ -10,6 +10,10 @@
 // fresh client, as a re-sent task does on a device (SecAggSessions: the live round is kept). A
 // "TASK <job> <round> <group>" line opens that round for the same input (the device asked into
 // another group) and messages go to it from then on. A round the ledger refused: "ERROR ReleaseRefused".
+// "ends=<unix s>": the rounds are opened to end then (a secure task's deadline plus the grace); the
+// sessions' clock is the bridge's, 0 until a "CLOCK <unix s>" line sets it and ticks the sessions
+// (SecAggSessions.expire, as MqttAgent's tick), answered "HELD <secrets held> <rounds open>" and
+// the STATE line.
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.file.*;
@@ -29,14 +33,18 @@ public final class SecAggBridge {
         List<String> options = Arrays.asList(a).subList(7, a.length);
         boolean dp = options.contains("dp");
         SecureInputLedger ledger = null;
-        for (String o : options)
+        Double ends = null;
+        for (String o : options) {
             if (o.startsWith("ledger=")) ledger = new SecureInputLedger(new File(o.substring(7), SecureInputLedger.NAME));
+            if (o.startsWith("ends=")) ends = Double.parseDouble(o.substring(5));
+        }
+        double[] now = {0.0};
         ReleaseGuard guard = null;
         String job = a[3], group = a[5];
         long round = Long.parseLong(a[4]);
-        SecAggSessions sessions = new SecAggSessions(a[0], 4);
+        SecAggSessions sessions = new SecAggSessions(a[0], 4, () -> now[0]);
         if (ledger != null) guard = ledger.release(SecureInputLedger.vectorKey(SecureFed3RTask.KIND, input));
-        sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard));
+        sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends);
         ClientSecAgg client = sessions.session(job, round, group);
         BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
         PrintStream out = System.out;
@@ -49,8 +57,16 @@ public final class SecAggBridge {
                     group = words[3];
                 }
                 if (ledger != null) guard = ledger.release(SecureInputLedger.vectorKey(SecureFed3RTask.KIND, input));
-                sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard));
+                sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends);
                 client = sessions.session(job, round, group);
+                out.println("STATE " + client.state());
+                out.flush();
+                continue;
+            }
+            if (words[0].equals("CLOCK")) {
+                now[0] = Double.parseDouble(words[1]);
+                sessions.expire();
+                out.println("HELD " + client.holdsSecrets() + " " + sessions.open());
                 out.println("STATE " + client.state());
                 out.flush();
                 continue;

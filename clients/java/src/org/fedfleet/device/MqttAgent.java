@@ -197,6 +197,7 @@ public final class MqttAgent implements AutoCloseable {
                 if (payload != null) handleRaw(payload);
                 execute(session.onTick(monotonic()));
                 reader.expire(monotonic());
+                secagg.expire(System.currentTimeMillis() / 1000.0);     // rounds end at a task's deadline: wall clock
             } catch (InterruptedException e) {
                 return;
             } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {

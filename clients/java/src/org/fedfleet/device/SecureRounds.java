@@ -6,6 +6,7 @@
 // (and the aggregator) went on with the first. Otherwise the vector becomes this device's input to
 // a new round, under the secure-input ledger's release guard for the input's key; an unreadable
 // ledger declines the task, also found before the contribution is computed (for the same reason).
+// The round's session ends with the task's round (MqttAgent runs the task until that moment).
 package org.fedfleet.device;
 
 import java.util.List;
@@ -36,6 +37,7 @@ public final class SecureRounds {
     public boolean start(String job, long round, String kind, Map<String, Object> params, List<Envelope.Tensor> tensors,
                          SecureTask secure) throws TaskDeclined {
         String group = SecureUpdateRound.namedGroup(params);
+        sessions.expire();                  // a round over by now is no live one to keep
         if (group != null && sessions.live(job, round, group)) {
             LOG.info(deviceId + ": task for the live secure round " + job + "/" + round + "/" + group + " again: a duplicate");
             return false;
@@ -46,7 +48,7 @@ public final class SecureRounds {
         SecureTask.Contribution mine = secure.contribute(params, tensors);
         return sessions.open(job, round, mine.group, new ClientSecAgg(deviceId, identity, identity.publicKey(),
                 Topics.AGGREGATOR_ID, aggregatorKey, job, round, mine.group, mine.vector, mine.distributedDp,
-                inputs.release(inputKey(kind, params, tensors, mine))));
+                inputs.release(inputKey(kind, params, tensors, mine))), WorkDeadline.roundOverAt());
     }
 
     /** The key naming a secure task's input (SecureInputLedger): the contribution's, else the task's. */

@@ -44,6 +44,10 @@ public final class WorkDeadline {
         return scope;
     }
 
+    /** The moment (unix s, the device's clock) the calling thread's work's round is surely over;
+     *  null outside a task. A secure task's SecAgg session ends there (SecAggSessions). */
+    public static Double roundOverAt() { return UNTIL.get(); }
+
     /** PastDeadline when the calling thread's work has run past its moment. */
     public static void stopIfPast() {
         Double until = UNTIL.get();

@@ -12,6 +12,7 @@
 //   INPUT_SENT / CONSISTENCY_SENT  UnmaskRequest  b_v shares of survivors, s_v shares of dropped
 //                                              peers, never both -> UnmaskShares                       FINISHED
 //   any               RoundAborted             erase secrets                                           ABORTED
+//   any               timeOut() (the caller's clock: the round is over)  erase secrets                  ABORTED
 //
 // Every message must come from the aggregator, to this device, for this (job, round, group), and
 // verify under the aggregator's key; otherwise SecAggException and nothing changes. Handlers
@@ -91,6 +92,19 @@ public final class ClientSecAgg {
     public State state() { return state; }
 
     public boolean done() { return state == State.FINISHED || state == State.ABORTED; }
+
+    /** The caller's clock says the round is over (protocols/secagg/client.py's Timeout row: any
+     *  phase's aborts a live round): its secrets are erased; a round over already stays as it is. */
+    public void timeOut() {
+        if (!done()) abort();
+    }
+
+    /** Whether any of the round's secrets is still held: the X25519 private keys, the self-mask
+     *  seed, the pairwise keys, its own or its neighbours' shares, the input (encoded or not). */
+    public boolean holdsSecrets() {
+        return cipherKey != null || maskKey != null || selfMaskSeed != null || !shareKeys.isEmpty() || !held.isEmpty()
+                || ownShares != null || encoded != null || input != null;
+    }
 
     public List<SecAggMessage> handle(SecAggMessage m) throws SecAggException {
         authenticate(m);

@@ -1,17 +1,28 @@
 // A device's open secure-aggregation rounds, keyed by (job, round, group)
 // (edge_client/tasks/secure_update.py): a secure task opens one, every `secagg` envelope from
-// the aggregator is fed to its round, and the replies go back. At most maxSessions are kept. A
-// task re-sent for a (job, round, group) whose round is live is a duplicate: the live round is
-// kept (replacing it with fresh keys mid-round would drop this device out). A round its client's
-// ReleaseGuard refused (the device's secure-input ledger) is aborted and left, the reason logged.
+// the aggregator is fed to its round, and the replies go back. A task re-sent for a (job, round,
+// group) whose round is live is a duplicate: the live round is kept (replacing it with fresh keys
+// mid-round would drop this device out). A round its client's ReleaseGuard refused (the device's
+// secure-input ledger) is aborted and left, the reason logged.
+//
+// A round ends here where it can no longer complete: at its task's deadline plus the clocks' grace
+// (endsAt, WorkDeadline: the aggregator gives the round up at its deadline), or when maxSessions
+// newer rounds push it out. SecAgg's security assumes a round's secrets (its private keys, its
+// neighbours' shares, its input) are erased when the round ends, so an ending round's client is
+// timed out (ClientSecAgg.timeOut: its own abort path erases them) and forgotten; a late message
+// for it is refused, as for a round the aggregator aborted. MqttAgent calls expire on every tick;
+// each message and task checks the clock (unix s, the device's: what the deadline is read on)
+// first too, so a late message finds its round over between ticks.
 package org.fedfleet.secagg;
 
+import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Collections;
-import java.util.Iterator;
+import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.function.DoubleSupplier;
 import java.util.logging.Logger;
 import org.fedfleet.wire.LogText;
 import org.fedfleet.wire.Envelope;
@@ -20,22 +31,66 @@ public final class SecAggSessions {
     private static final Logger LOG = LogText.oneLineLogger("fedfleet.device.secagg");
     private final String deviceId;
     private final int maxSessions;
+    private final DoubleSupplier clock;
     private final Map<List<Object>, ClientSecAgg> sessions = new LinkedHashMap<>();
+    private final Map<List<Object>, Double> endsAt = new HashMap<>();     // the rounds opened with an end
 
-    public SecAggSessions(String deviceId, int maxSessions) { this.deviceId = deviceId; this.maxSessions = maxSessions; }
+    public SecAggSessions(String deviceId, int maxSessions) {
+        this(deviceId, maxSessions, () -> System.currentTimeMillis() / 1000.0);
+    }
 
-    /** Opens the round with client; false (nothing changed) where a live round holds the key. */
+    /** clock: unix seconds, the device's (a test's own). */
+    public SecAggSessions(String deviceId, int maxSessions, DoubleSupplier clock) {
+        this.deviceId = deviceId; this.maxSessions = maxSessions; this.clock = clock;
+    }
+
+    /** Opens the round with client, with no end but maxSessions; false (nothing changed) where a live round holds the key. */
     public boolean open(String job, long round, String group, ClientSecAgg client) {
+        return open(job, round, group, client, null);
+    }
+
+    /** Opens the round with client until endsAt (unix s, the device's clock; null: no end but
+     *  maxSessions); false (nothing changed) where a live round holds the key. */
+    public boolean open(String job, long round, String group, ClientSecAgg client, Double endsAt) {
         List<Object> key = Arrays.<Object>asList(job, round, group);
+        expire();
         if (live(job, round, group)) {
             LOG.info(deviceId + ": task for the live secure round " + key + " again: a duplicate");
             return false;
         }
-        sessions.remove(key);
+        forget(key);
         sessions.put(key, client);
-        Iterator<List<Object>> oldest = sessions.keySet().iterator();
-        while (sessions.size() > maxSessions) { oldest.next(); oldest.remove(); }
+        if (endsAt != null) this.endsAt.put(key, endsAt);
+        while (sessions.size() > maxSessions)       // the oldest rounds: this device leaves them
+            end(sessions.keySet().iterator().next(), "pushed out by newer rounds");
         return true;
+    }
+
+    /** Ends every round over by the clock. */
+    public void expire() { expire(clock.getAsDouble()); }
+
+    /** Ends every round over by now (unix s, the device's clock). */
+    public void expire(double now) {
+        List<List<Object>> over = new ArrayList<>();
+        for (Map.Entry<List<Object>, Double> e : endsAt.entrySet()) if (now > e.getValue()) over.add(e.getKey());
+        for (List<Object> key : over) end(key, "past its deadline");
+    }
+
+    /** Whether a round waits for its end. */
+    public boolean expiring() { return !endsAt.isEmpty(); }
+
+    /** Forgets key's round, a live one timed out first (its secrets erased). */
+    private void end(List<Object> key, String why) {
+        ClientSecAgg client = forget(key);
+        if (client != null && !client.done()) {
+            client.timeOut();
+            LOG.info(deviceId + ": secure round " + key + " " + why + ": left, its secrets erased");
+        }
+    }
+
+    private ClientSecAgg forget(List<Object> key) {
+        endsAt.remove(key);
+        return sessions.remove(key);
     }
 
     /** Whether the round (job, round, group) is open here and not over. */
@@ -60,6 +115,7 @@ public final class SecAggSessions {
             LOG.warning(deviceId + ": malformed secagg message: " + e.getMessage());
             return Collections.emptyList();
         }
+        expire();
         Object round = m.header.get("round_id");
         List<Object> key = Arrays.<Object>asList(m.header.get("job_id"),
                 round instanceof java.math.BigInteger ? ((java.math.BigInteger) round).longValue() : round, m.header.get("group_id"));
@@ -78,7 +134,7 @@ public final class SecAggSessions {
             return Collections.emptyList();
         } finally {
             if (client.done()) {
-                sessions.remove(key);
+                forget(key);
                 if (client.abortReason != null) LOG.info(deviceId + ": secure round " + key + " aborted by the aggregator: " + client.abortReason);
             }
         }
