@@ -235,13 +235,12 @@ class DeviceAgent:
         available device's tick is a no-op."""
         return not (self.hooks.always_available and self.online and self.session.state is DeviceState.IDLE
                     and time.monotonic() >= self._outage_until
-                    and not any(getattr(handler, "expiring", False) for handler in self._message_handlers()))
+                    and not any(handler.expiring for handler in self._message_handlers()))
 
     def _message_handlers(self) -> list[MessageHandler]:
-        """The protocol handlers of message types that end rounds on the clock (``MessageHandler.expire``;
-        one that does not inherit the interface may leave it out)."""
-        return [handler for handler in self.protocol_handlers.values()
-                if isinstance(handler, MessageHandler) and callable(getattr(handler, "expire", None))]
+        """The protocol handlers on the ``MessageHandler`` interface (``expire``, ``expiring``); a plain
+        callable registered for a message type has no rounds to end."""
+        return [handler for handler in self.protocol_handlers.values() if isinstance(handler, MessageHandler)]
 
     def _go_online(self) -> None:
         self.link.start()
