@@ -139,17 +139,24 @@ def setup_round(tmp_path, graph: str, n: int = 6, seed: int = 0, ring_bits: int 
     return config, identities, inputs, java
 
 
+def round_with_java(java, config, identities, inputs, **options):
+    """One round of ``config`` (``run_round``'s ``options``) with the Java device as its JAVA member;
+    the Java process is closed after it."""
+    try:
+        return run_round(config, AGGREGATOR, identities, inputs, **options,
+                         client_factory=lambda d, i: java if d == JAVA else None)
+    finally:
+        java.close()
+
+
 @pytest.mark.parametrize("ring_bits", [64, 32])
 @pytest.mark.parametrize("graph", ["complete", "regular"])
 def test_java_client_gives_the_exact_sum_in_a_python_round(tmp_path, graph, ring_bits):
     config, identities, inputs, java = setup_round(tmp_path, graph, ring_bits=ring_bits)
     assert config.ring_bits == ring_bits
     dropped = "dev-py2"            # sends its shares, never its masked input
-    try:
-        run = run_round(config, AGGREGATOR, identities, inputs, dropouts={dropped: Phase.MASKED_INPUT},
-                        record_server_view=True, client_factory=lambda d, i: java if d == JAVA else None)
-    finally:
-        java.close()
+    run = round_with_java(java, config, identities, inputs, dropouts={dropped: Phase.MASKED_INPUT},
+                          record_server_view=True)
     assert run.errors == [] and java.refusals == [] and java.state is ClientState.FINISHED
     assert isinstance(run.outcome, AggregateReady), run.outcome
     survivors = tuple(d for d in config.members if d != dropped)
@@ -182,11 +189,7 @@ def test_java_client_accuses_a_share_row_it_cannot_decrypt_and_stays_in_the_sum(
         ciphertexts[msg.recipients.index(JAVA), 20] ^= 0xFF
         return [dataclasses.replace(msg, ciphertexts=ciphertexts).signed(identities[attacker])]
 
-    try:
-        run = run_round(config, AGGREGATOR, identities, inputs, intercept=corrupt, record_server_view=True,
-                        client_factory=lambda d, i: java if d == JAVA else None)
-    finally:
-        java.close()
+    run = round_with_java(java, config, identities, inputs, intercept=corrupt, record_server_view=True)
     assert run.errors == [] and java.refusals == [] and java.state is ClientState.FINISHED
     sent = [m for m in (f.to_message() for f in run.server_view) if m.sender == JAVA]
     types = [m.TYPE for m in sent]
@@ -210,11 +213,7 @@ def test_java_device_keeps_its_live_round_when_its_task_comes_again(tmp_path):
             java.retask()
         return [msg]
 
-    try:
-        run = run_round(config, AGGREGATOR, identities, inputs, intercept=retask,
-                        client_factory=lambda d, i: java if d == JAVA else None)
-    finally:
-        java.close()
+    run = round_with_java(java, config, identities, inputs, intercept=retask)
     assert java.refusals == [] and java.state is ClientState.FINISHED
     assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == tuple(config.members)
     assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, list(inputs.values())))
@@ -238,11 +237,7 @@ def test_java_device_erases_a_round_past_its_deadline_and_refuses_late_messages(
             ticks.append((java.tick(ENDS + 1.0), java.state))
         return [msg]
 
-    try:
-        run = run_round(config, AGGREGATOR, identities, inputs, intercept=vanish_and_come_back,
-                        client_factory=lambda d, i: java if d == JAVA else None)
-    finally:
-        java.close()
+    run = round_with_java(java, config, identities, inputs, intercept=vanish_and_come_back)
     assert ticks == [((True, 1), ClientState.SHARES_SENT), ((False, 0), ClientState.ABORTED)]
     assert java.state is ClientState.ABORTED and len(java.refusals) == 1
     assert "forwarded_shares: round already ABORTED" in java.refusals[0]
@@ -370,11 +365,8 @@ def split_survivors(config):
 
 def test_java_client_refuses_survivors_whose_graph_falls_apart(tmp_path):
     config, identities, inputs, java = setup_round(tmp_path, "regular", n=12)
-    try:
-        run = run_round(config, AGGREGATOR, identities, inputs, intercept=split_survivors(config),
-                        record_server_view=True, client_factory=lambda d, i: java if d == JAVA else None)
-    finally:
-        java.close()
+    run = round_with_java(java, config, identities, inputs, intercept=split_survivors(config),
+                          record_server_view=True)
     assert len(java.refusals) == 1 and "falls apart" in java.refusals[0], java.refusals
     assert java.state is ClientState.ABORTED
     sent = {f.to_message().TYPE for f in run.server_view if f.to_message().sender == JAVA}
@@ -388,11 +380,7 @@ def test_java_client_refuses_survivors_whose_graph_falls_apart(tmp_path):
     (impostor_signed, "SecAggError", ClientState.ADVERTISED)])
 def test_java_client_refuses_a_hostile_server(tmp_path, attack, refusal, state):
     config, identities, inputs, java = setup_round(tmp_path, "complete", n=5)
-    try:
-        run = run_round(config, AGGREGATOR, identities, inputs, intercept=attack, record_server_view=True,
-                        client_factory=lambda d, i: java if d == JAVA else None)
-    finally:
-        java.close()
+    run = round_with_java(java, config, identities, inputs, intercept=attack, record_server_view=True)
     assert len(java.refusals) == 1 and java.refusals[0].startswith(refusal), java.refusals
     assert java.state is state and any(who == JAVA for who, _ in run.errors)
     sent = {f.to_message().TYPE for f in run.server_view if f.to_message().sender == JAVA}
