@@ -35,6 +35,7 @@ from protocols.payloads.ditto import KIND as DITTO_KIND
 from protocols.payloads.scaffold import KIND as SCAFFOLD_KIND
 from protocols.payloads.secagg import pack_controlled, pack_weighted
 from protocols.rounds import RoundClosed
+from protocols.secagg import ClientState
 
 from stateful_jobs import pixel_extractor, run_round, run_secure_round
 
@@ -92,6 +93,13 @@ def secure_clients(kind, keys, root, devices=DEVICES, wrapper=None):
 @pytest.fixture
 def keys(tmp_path):
     return SecureKeys.create(tmp_path, DEVICES)
+
+
+def finished(client):
+    """``client``'s open rounds as if each FINISHED on the device (its unmask answer went out, its
+    input in the sum): the state they kept stays (secure Scaffold puts back that of any other end)."""
+    for session in client.sessions.sessions.values():
+        session.state = ClientState.FINISHED
 
 
 # ----------------------------------------------------------------------------- the device's vector
@@ -174,6 +182,7 @@ def test_a_device_declining_after_it_trained_puts_its_state_back(tmp_path, keys,
         client.on_task("sec", job.round, {**params, "max_abs_param": 1e-4}, tensors)
     assert store.load(job_id, None) is None
     client.on_task("sec", job.round, params, tensors)          # this round is sent: its state is kept
+    finished(client)
     sent = store.load(job_id, None)
     assert sent is not None and sent.round == params["state"]["round"]
     later = {**params, "state": {**params["state"], "round": params["state"]["round"] + 1}, "max_abs_param": 1e-4}
@@ -224,6 +233,7 @@ def test_a_decline_whose_state_cannot_be_put_back_drops_it_and_still_declines(tm
     client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
     store, job_id = client.training.store, job.config.job_id
     client.on_task("sec", job.round, params, tensors)          # a sent round: an entry to put back
+    finished(client)
     assert store.load(job_id, None) is not None
 
     class StorageVanishes(type(client.training)):

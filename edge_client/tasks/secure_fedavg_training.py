@@ -14,10 +14,14 @@ clipped update instead, with its share of the noise (``dp_vector``).
 The same wrapper serves ``pp.head.secure`` and ``ditto.head.secure`` around their stateful
 handlers (the personal part stays in the device's store), and :class:`SecureScaffoldTraining`
 ``scaffold.head.secure``, whose vector carries the device's clipped Δc beside its weighted head.
+Its c_k⁺ holds only where the round FINISHED on the device (its input in the unmasked sum): a
+round that ends any other way puts the job's entry back to the c_k the round started from, as a
+decline does (:meth:`SecureScaffoldTraining.round_end`), else c drifts from the mean of the c_k.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import numpy as np
@@ -30,10 +34,12 @@ from protocols.payloads.secure_tasks import SecureControlRound, SecureUpdateRoun
 from protocols.payloads.task_params import DpRound
 
 from ..agent import TaskDeclined
-from ..state import StateBudgetExceeded
+from ..state import DeviceStateStore, StateBudgetExceeded, StateEntry
 from .params import read_params
-from .secure_update import SecAggSessions, SecureUpdate
+from .secure_update import RoundEnd, SecAggSessions, SecureUpdate
 from .stateful_head import StatefulHeadTask
+
+log = logging.getLogger("fedfleet.device.secagg")
 
 
 class SecureFedAvgTraining(SecureUpdate):
@@ -120,6 +126,32 @@ class SecureScaffoldTraining(SecureFedAvgTraining):
             clipped, _ = clip_update(deltas, secure.control_clip_norm)
             return pack_controlled(self.bounded(secure, body, trained, tensors), clipped, order, body["n"])
 
+    def round_end(self, params: dict) -> RoundEnd | None:
+        """The plain handler keeps c_k⁺ as it trains, before the round decides whether this device's
+        masked input is summed; the server's c counts its Δc only if it is. A round that ends here
+        without FINISHED (aborted, declared dropped, past its deadline, pushed out, its answer
+        unsendable) puts the job's entry back to what it was before this task (the c_k, run and
+        round it started from; none: dropped), so c stays the mean of the devices' c_k and the next
+        task measures Δc from that c_k. Only this round's own entry is put back: one a later task
+        wrote is left alone."""
+        training = self.training
+        if not isinstance(training, StatefulHeadTask) or training.store is None:
+            return None         # no state kept: the plain handler declines the task
+        p = read_params(training.params_type, params, self.kind)
+        store, binding = training.store, p.state
+        before = store.load(p.job_id, None)
+
+        def ended(summed: bool) -> None:
+            if summed:
+                return
+            now = store.load(p.job_id, None)
+            if now is None or (now.run, now.round) != (binding.run, binding.round):
+                return          # not this round's entry (never kept, expired, or a later task's)
+            log.info("secure round %s of %s ended without this device's input summed: its c_k put back",
+                     binding.round, p.job_id)
+            put_back(store, p.job_id, before)
+        return ended
+
 
 @contextmanager
 def state_restored_on_decline(training, params: dict, kind: str):
@@ -136,14 +168,19 @@ def state_restored_on_decline(training, params: dict, kind: str):
     try:
         yield
     except Exception:       # any failure sends nothing: a declined task, or one whose result could not be built
-        try:
-            if before is None:
-                store.drop(job_id)
-            else:
-                store.restore(before)
-        except (StateBudgetExceeded, OSError):
-            store.drop(job_id)      # the old entry cannot be written back: start fresh rather than drift
+        put_back(store, job_id, before)
         raise                       # the decline, whatever the store did (as Java's putBack)
+
+
+def put_back(store: DeviceStateStore, job_id: str, before: StateEntry | None) -> None:
+    """The job's entry back to ``before`` (what ``store.load`` gave before the task; None: none)."""
+    try:
+        if before is None:
+            store.drop(job_id)
+        else:
+            store.restore(before)
+    except (StateBudgetExceeded, OSError):
+        store.drop(job_id)      # the old entry cannot be written back: start fresh rather than drift
 
 
 __all__ = ["SecureFedAvgTraining", "SecureScaffoldTraining"]

@@ -15,7 +15,13 @@ Across rounds: the device's ``SecureInputLedger`` (``edge_client/secure_inputs.p
 input be revealed in sums over one member set only (each round's release guard: a round of
 other members is left, the reason logged); an unreadable ledger declines the task. A
 task re-sent for a (job, round, group) whose round is still live is a duplicate: answered with
-nothing, the live round kept (replacing it would drop the device out with fresh keys).
+nothing, the live round kept (replacing it would drop the device out with fresh keys). A task
+of a later round of the same job ends the job's earlier rounds still open here: the aggregator
+runs a job's rounds one at a time, so those can no longer sum this device's input.
+
+A task kind is told how each of its rounds ended for this device (:meth:`SecureUpdate.round_end`,
+called with whether the round FINISHED here: the device answered the unmask request as a
+survivor, so its masked input is in the unmasked sum); secure Scaffold keeps its new c_k only then.
 """
 
 from __future__ import annotations
@@ -24,6 +30,12 @@ import logging
 import os
 import time
 from typing import Callable
+
+# told once, when a secure round's session ends on the device, whether the round FINISHED there
+# (True: the device answered the unmask request as a survivor, its input is in the unmasked sum)
+# or ended any other way (False: aborted, declared dropped, past its deadline, pushed out, its
+# answer unsendable): the aggregator's step then never counted this device's input
+RoundEnd = Callable[[bool], None]
 
 import numpy as np
 
@@ -67,6 +79,7 @@ class SecAggSessions(MessageHandler):
         self.device_id, self.max_sessions = device_id, max_sessions
         self.sessions: dict[tuple[str, int, str], ClientSecAgg] = {}
         self.ends_at: dict[tuple[str, int, str], float] = {}     # sessions opened with an end
+        self.round_ends: dict[tuple[str, int, str], RoundEnd] = {}   # the task kinds that asked
         self.inputs = SecureInputLedger() if inputs is None else inputs
         self.clock = clock
 
@@ -80,16 +93,20 @@ class SecAggSessions(MessageHandler):
         """Whether a session waits for its end (the agent then ticks even when otherwise idle)."""
         return bool(self.ends_at)
 
-    def open(self, key: tuple[str, int, str], client: ClientSecAgg, ends_at: float | None = None) -> bool:
+    def open(self, key: tuple[str, int, str], client: ClientSecAgg, ends_at: float | None = None,
+             round_end: RoundEnd | None = None) -> bool:
         """Open ``key``'s round with ``client`` until ``ends_at`` (unix s, the device's clock; None:
-        no end but ``max_sessions``); False (nothing changed) where a live one holds it."""
+        no end but ``max_sessions``), ``round_end`` told how it ended; False (nothing changed)
+        where a live one holds it."""
         self.expire()
         if self.live(key):
             return False
-        self._forget(key)
+        self._end(key, "over")
         self.sessions[key] = client
         if ends_at is not None:
             self.ends_at[key] = float(ends_at)
+        if round_end is not None:
+            self.round_ends[key] = round_end
         while len(self.sessions) > self.max_sessions:          # the oldest rounds: this device leaves them
             self._end(next(iter(self.sessions)), "pushed out by newer rounds")
         return True
@@ -100,16 +117,24 @@ class SecAggSessions(MessageHandler):
         for key in [key for key, end in self.ends_at.items() if now > end]:
             self._end(key, "past its deadline")
 
+    def leave_earlier_rounds(self, job: str, round_: int) -> None:
+        """End the sessions of ``job``'s rounds before ``round_`` (its task came: they are over)."""
+        for key in [key for key in self.sessions if key[0] == job and key[1] < round_]:
+            self._end(key, f"over (round {round_} of its job began)")
+
     def _end(self, key: tuple[str, int, str], why: str) -> None:
-        """Forget ``key``'s session, a live one through its client's abort path (secrets erased)."""
-        client = self._forget(key)
-        if client is not None and client.phase is not None:
+        """Forget ``key``'s session, a live one through its client's abort path (secrets erased),
+        and tell its task kind whether the round finished here (its ``round_end``, once)."""
+        client = self.sessions.pop(key, None)
+        self.ends_at.pop(key, None)
+        round_end = self.round_ends.pop(key, None)
+        if client is None:
+            return
+        if client.phase is not None:
             client.handle(Timeout(client.phase))
             log.info("%s: secure round %s/%s/%s %s: left, its secrets erased", self.device_id, *key, why)
-
-    def _forget(self, key: tuple[str, int, str]) -> ClientSecAgg | None:
-        self.ends_at.pop(key, None)
-        return self.sessions.pop(key, None)
+        if round_end is not None:
+            round_end(client.state is ClientState.FINISHED)
 
     def on_message(self, env: Envelope) -> list[Envelope]:
         msg = from_envelope(env)
@@ -123,11 +148,13 @@ class SecAggSessions(MessageHandler):
         try:
             replies = [to_envelope(r) for r in client.handle(msg)]
         except ReleaseRefused as exc:       # the round is aborted: the input does not leave
-            self._forget(key)
+            self._end(key, "refused by the release guard")
             log.warning("%s: leaves secure round %s/%s: %s", self.device_id, msg.job_id, msg.round_id, exc)
             return []
         except SecAggError as exc:
             log.warning("%s: secagg error: %s", self.device_id, exc)
+            if client.state is ClientState.ABORTED:     # a ProtocolViolation (e.g. declared dropped): over
+                self._end(key, "aborted")
             return []
         except UnsendableMessage as exc:       # its answer cannot travel: sit the round out (a dropout)
             self._end(key, "its answer cannot be sent")
@@ -135,7 +162,7 @@ class SecAggSessions(MessageHandler):
             return []
         if client.state in (ClientState.FINISHED, ClientState.ABORTED):
             # done, or the server aborted the round (its secrets are already erased)
-            self._forget(key)
+            self._end(key, "over")
             if client.abort_reason is not None:
                 log.info("%s: secure round %s/%s aborted by the aggregator: %s", self.device_id, msg.job_id,
                          msg.round_id, client.abort_reason)
@@ -212,11 +239,15 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
         if self.sessions.live(key):             # a re-sent task: its round goes on with the keys it has
             log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
             return []
+        # before training: an earlier round of the job still open here ends first, so a kind whose
+        # state follows the sum (secure Scaffold) has put back a step that round never summed
+        self.sessions.leave_earlier_rounds(job, round_)
         # before the contribution: computing it trains, and the stateful kinds (secure Scaffold's c_k,
         # Ditto's v_k) keep their new state as they train; a task declined afterwards would leave it
         # advanced for a round this device never joined
         if self.sessions.inputs.lost is not None and self.sessions.inputs.reload() is not None:
             raise TaskDeclined(LOST_REASON)
+        round_end = self.round_end(params)      # reads the kind's state as it is before training
         vector, named = self.contribution(params, tensors)
         try:
             # a distributed-DP share is scaled for the 64-bit ring (distributed_dp.py): no other ring
@@ -227,9 +258,16 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
         except SecAggError as exc:
             raise TaskDeclined(f"secure aggregation refused the update: {exc}") from exc
         # the session ends with the task's round: the agent runs on_task until that moment
-        if not self.sessions.open(key, client, ends_at=round_over_at()):     # opened meanwhile by the same task
+        if not self.sessions.open(key, client, ends_at=round_over_at(), round_end=round_end):
+            # opened meanwhile by the same task
             log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
         return []
+
+    def round_end(self, params: dict) -> RoundEnd | None:
+        """What this task's round tells the kind when it ends (``RoundEnd``), built before the
+        device trains; None (the default): nothing to do, the kind keeps no state that must follow
+        the sum (Ditto's and pp's personal parts are the device's own either way)."""
+        return None
 
     def on_message(self, env: Envelope) -> list[Envelope]:
         return self.sessions.on_message(env)
