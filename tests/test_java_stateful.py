@@ -375,6 +375,46 @@ def test_a_secure_scaffold_task_with_the_ledger_unreadable_is_declined_before_it
     assert out.split("\n")[:2] == [f"DECLINED TRAINED 0 {LOST_REASON}"] * 2, out
 
 
+@pytest.mark.parametrize("kind", ["scaffold.head.secure", "ditto.head.secure"])
+def test_a_secure_stateful_round_over_before_it_finished_leaves_scaffolds_control_where_it_was(java_cp, tmp_path, kind):
+    """A sent round 1 (a copy of the Python device's store), then round 2's task, whose SecAgg round
+    ends at its deadline before it finished (its input never in the sum): the Java device's
+    Scaffold store holds round 1's entry again, byte for byte, as the Python device's does
+    (SecureScaffoldTraining.round_end; tests/test_secure_scaffold_round_end.py), so the server's c,
+    which never counted round 2's Δc, stays the mean of the c_k. Ditto's v_k is the device's own:
+    round 2's stays. It used to keep round 2's c_k⁺."""
+    import shutil
+    import time
+
+    from edge_client.state import DeviceStateStore
+    from edge_client.work_deadline import working_until
+
+    now = time.time()               # the training checks its deadline on the wall clock
+    _, params, tensors, _, _, heldout, wrapper = secure_stateful_case(tmp_path, kind, {}, clock=lambda: now)
+    assert wrapper.on_task("sec-1", 1, params, tensors) == []          # round 1, summed: its state stays
+    wrapper.sessions.sessions.clear()                                   # (its session over)
+    shutil.copytree(tmp_path / "py-state", tmp_path / "java-state")
+    first = DeviceStateStore(tmp_path / "py-state", clock=lambda: now).load("sec-1", None)
+    later = {**params, "state": {**STATE, "round": 2}}
+    (tmp_path / "task.bin").write_bytes(task_bytes(later, tensors, kind))
+    out = java(java_cp, "--leave", tmp_path / "task.bin", tmp_path / "f.feat", heldout, tmp_path / "java-state")
+    assert out.split("\n")[:2] == ["START true", "LEFT 0"], out
+    with working_until(now + 3600):                                     # the Python device, the same round
+        assert wrapper.on_task("sec-1", 2, later, tensors) == []
+    wrapper.sessions.expire(now + 3601)
+    ours, theirs = (DeviceStateStore(tmp_path / where, clock=lambda: now).load("sec-1", None)
+                    for where in ("java-state", "py-state"))
+    assert (ours.run, ours.round, sorted(ours.arrays)) == (theirs.run, theirs.round, sorted(theirs.arrays))
+    if kind == "scaffold.head.secure":
+        assert theirs.round == 1
+        for name, value in first.arrays.items():
+            assert ours.arrays[name].tobytes() == value.tobytes() == theirs.arrays[name].tobytes(), name
+    else:
+        assert theirs.round == 2
+        for k, v in theirs.arrays.items():
+            assert np.abs(ours.arrays[k] - v).max() <= CONTROL_ATOL, k
+
+
 @pytest.mark.parametrize("kind", ["scaffold.head", "ditto.head"])
 def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, broker, tmp_path, kind):
     """scaffold-secure / ditto-secure over mosquitto: three Java devices (one JVM, enrolled, with

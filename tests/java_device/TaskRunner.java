@@ -13,6 +13,10 @@
 //          default in memory) given a scaffold.head.secure or ditto.head.secure task twice, its state
 //          store's clock an hour later the second time; prints "START <opened> TRAINED <contributions
 //          computed so far>" per delivery, or "DECLINED TRAINED <so far> <reason>" (retask)
+//        java TaskRunner --leave <task.bin> <features> <held-out features or "-"> <state folder>: one device
+//          (SecureRounds) given a scaffold.head.secure or ditto.head.secure task, run until an hour on, whose
+//          round is then over before it finished (the agent's tick past its end); prints "START <opened>"
+//          and "LEFT <rounds still open>" (leave)
 //        java TaskRunner --batch <cases file> <aggregator public key hex> <device seed hex>: one JVM for
 //          many cases (tests/test_differential_fuzz.py), each line of the file "<task.bin> <features>
 //          <result.bin> [<held-out features>]"; each task's signature is verified under the aggregator's
@@ -102,6 +106,9 @@ public final class TaskRunner {
         }
         if (args[0].equals("--retask")) {
             return retask(args);
+        }
+        if (args[0].equals("--leave")) {
+            return leave(args);
         }
         if (args[0].equals("--batch")) {
             byte[] aggregatorKey = Envelope.unhex(args[2]);
@@ -257,6 +264,32 @@ public final class TaskRunner {
             }
         }
         return out.toString();
+    }
+
+    /** --leave: a secure stateful task whose SecAgg round ends at its deadline, never finished here
+     *  (tests/test_java_stateful.py: Scaffold's c_k goes back to the round's start, Ditto's v_k stays). */
+    static String leave(String[] args) throws Exception {
+        Envelope.Message msg = Envelope.decode(Files.readAllBytes(Paths.get(args[1])));
+        Messages.Task task = Messages.parseTask(msg);
+        FeatureFile data = FeatureFile.read(args[2]);
+        FeatureFile heldOut = args[3].equals("-") ? null : FeatureFile.read(args[3]);
+        double now = System.currentTimeMillis() / 1000.0;      // the training checks its deadline on the wall clock
+        DeviceStateStore store = new DeviceStateStore(new java.io.File(args[4]), DeviceStateStore.DEFAULT_BUDGET_BYTES, () -> now);
+        SecureTask training = task.kind.equals(SecureStatefulHeadTask.SCAFFOLD_KIND)
+                ? SecureStatefulHeadTask.scaffold(new ScaffoldTask(data, new PrecomputedFeatures(data.dim), store))
+                : SecureStatefulHeadTask.ditto(new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store), zeroNoise());
+        org.fedfleet.secagg.SecAggSessions sessions = new org.fedfleet.secagg.SecAggSessions("java0", 4, () -> now);
+        SecureRounds device = new SecureRounds("java0", Identity.fromSeed("java0", new byte[32]), new byte[32],
+                sessions, new SecureInputLedger(null));
+        boolean opened;
+        WorkDeadline.Scope until = WorkDeadline.until(now + 3600);
+        try {
+            opened = device.start(task.ref.job, task.ref.round, task.kind, task.params, msg.tensors, training);
+        } finally {
+            until.close();
+        }
+        sessions.expire(now + 3601);
+        return "START " + opened + "\nLEFT " + sessions.open() + "\n";
     }
 
     /** A secure kind in the batch (args: task, features, result, round config JSON[, held-out

@@ -42,13 +42,16 @@ public final class SecureRounds {
             LOG.info(deviceId + ": task for the live secure round " + job + "/" + round + "/" + group + " again: a duplicate");
             return false;
         }
+        // before training: an earlier round of the job still open here ends first, so a kind whose state
+        // follows the sum (Scaffold's c_k) has put back a step that round never summed
+        sessions.leaveEarlierRounds(job, round);
         // before the contribution: computing it trains, and the stateful kinds keep their new state as
         // they train (a task declined afterwards would leave it advanced for a round never joined)
         if (inputs.lost() != null && inputs.reload() != null) throw new TaskDeclined(SecureInputLedger.LOST_REASON);
         SecureTask.Contribution mine = secure.contribute(params, tensors);
         return sessions.open(job, round, mine.group, new ClientSecAgg(deviceId, identity, identity.publicKey(),
                 Topics.AGGREGATOR_ID, aggregatorKey, job, round, mine.group, mine.vector, mine.distributedDp,
-                inputs.release(inputKey(kind, params, tensors, mine))), WorkDeadline.roundOverAt());
+                inputs.release(inputKey(kind, params, tensors, mine))), WorkDeadline.roundOverAt(), mine.roundEnd);
     }
 
     /** The key naming a secure task's input (SecureInputLedger): the contribution's, else the task's. */

@@ -5,6 +5,9 @@
 // ([n·ψ_k | n], SecureFedAvgTask.vector: bounds, update_clip_norm, distributed DP), Scaffold's
 // [n·y | clip(Δc) | n] (protocols/payloads/secagg.py pack_controlled), Δc clipped as one vector to
 // the task's control_clip_norm (protocols/clipping.py clip_update), as the plain server clips it.
+// Scaffold's c_k⁺ holds only where the round FINISHED on the device (its input in the sum): a round
+// that ends any other way puts the job's entry back to before the task (roundEnd), else the server's
+// c drifts from the mean of the c_k. Ditto's v_k is the device's own: kept either way.
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -48,7 +51,14 @@ public final class SecureStatefulHeadTask implements SecureTask {
         DeviceStateStore.Entry before = training.stateBefore(job);
         TaskHandler.Result r = training.run(params, tensors);      // the plain handler: its state kept as in plain rounds
         try {
-            return masked(control, round, r, tensors);
+            SecureTask.Contribution mine = masked(control, round, r, tensors);
+            if (!scaffold) return mine;
+            StateBinding binding = training.bindingOf(params);
+            return new SecureTask.Contribution(mine.group, mine.vector, mine.distributedDp, mine.inputKey, summed -> {
+                if (summed) return;
+                DeviceStateStore.Entry now = training.stateBefore(job);     // only this round's own entry
+                if (now != null && now.run.equals(binding.run) && now.round == binding.round) training.putBack(job, before);
+            });
         } catch (TaskDeclined declined) {
             training.putBack(job, before);         // sends nothing: its state goes back to before the round
             throw declined;

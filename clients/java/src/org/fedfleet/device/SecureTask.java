@@ -8,6 +8,7 @@ package org.fedfleet.device;
 
 import java.util.List;
 import java.util.Map;
+import org.fedfleet.secagg.SecAggSessions;
 import org.fedfleet.wire.Envelope;
 
 public interface SecureTask {
@@ -27,8 +28,17 @@ public interface SecureTask {
 
         public Contribution(String group, double[] vector, boolean distributedDp) { this(group, vector, distributedDp, null); }
 
+        /** Told how the input's round ended (SecAggSessions.RoundEnd); null: the kind need not know. */
+        public final SecAggSessions.RoundEnd roundEnd;
+
         public Contribution(String group, double[] vector, boolean distributedDp, String inputKey) {
+            this(group, vector, distributedDp, inputKey, null);
+        }
+
+        public Contribution(String group, double[] vector, boolean distributedDp, String inputKey,
+                            SecAggSessions.RoundEnd roundEnd) {
             this.group = group; this.vector = vector; this.distributedDp = distributedDp; this.inputKey = inputKey;
+            this.roundEnd = roundEnd;
         }
     }
 }

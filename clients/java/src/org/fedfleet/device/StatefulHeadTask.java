@@ -153,6 +153,9 @@ public abstract class StatefulHeadTask implements TaskHandler {
     /** The job a task is for, from its typed params (a secure wrapper's, to keep its entry aside). */
     final String jobOf(Map<String, Object> params) throws TaskDeclined { return parse(params).jobId; }
 
+    /** The state binding of a task (its run and round: which entry its round keeps). */
+    final StateBinding bindingOf(Map<String, Object> params) throws TaskDeclined { return parse(params).state; }
+
     /** The job's entry before a secure wrapper runs this handler (null: none, or no store): what
      *  {@link #putBack} restores when the wrapper declines after the handler saved. */
     final DeviceStateStore.Entry stateBefore(String jobId) {

@@ -12,7 +12,11 @@
 // timed out (ClientSecAgg.timeOut: its own abort path erases them) and forgotten; a late message
 // for it is refused, as for a round the aggregator aborted. MqttAgent calls expire on every tick;
 // each message and task checks the clock (unix s, the device's: what the deadline is read on)
-// first too, so a late message finds its round over between ticks.
+// first too, so a late message finds its round over between ticks. A task of a later round of the
+// same job ends the job's earlier rounds still open here (the aggregator runs a job's rounds one at
+// a time: they can no longer sum this device's input). A round opened with a RoundEnd tells it,
+// once, whether the round FINISHED here (the device answered the unmask request as a survivor: its
+// input is in the unmasked sum) or ended any other way (SecureStatefulHeadTask: Scaffold's c_k).
 package org.fedfleet.secagg;
 
 import java.util.ArrayList;
@@ -34,6 +38,13 @@ public final class SecAggSessions {
     private final DoubleSupplier clock;
     private final Map<List<Object>, ClientSecAgg> sessions = new LinkedHashMap<>();
     private final Map<List<Object>, Double> endsAt = new HashMap<>();     // the rounds opened with an end
+    private final Map<List<Object>, RoundEnd> roundEnds = new HashMap<>();   // the task kinds that asked
+
+    /** Told once, when a round's session ends here, whether the round FINISHED (summed: true) or
+     *  ended any other way (aborted, declared dropped, past its deadline, pushed out: false). */
+    public interface RoundEnd {
+        void ended(boolean summed);
+    }
 
     public SecAggSessions(String deviceId, int maxSessions) {
         this(deviceId, maxSessions, () -> System.currentTimeMillis() / 1000.0);
@@ -52,15 +63,21 @@ public final class SecAggSessions {
     /** Opens the round with client until endsAt (unix s, the device's clock; null: no end but
      *  maxSessions); false (nothing changed) where a live round holds the key. */
     public boolean open(String job, long round, String group, ClientSecAgg client, Double endsAt) {
+        return open(job, round, group, client, endsAt, null);
+    }
+
+    /** As above, roundEnd (null: none) told how the round ended. */
+    public boolean open(String job, long round, String group, ClientSecAgg client, Double endsAt, RoundEnd roundEnd) {
         List<Object> key = Arrays.<Object>asList(job, round, group);
         expire();
         if (live(job, round, group)) {
             LOG.info(deviceId + ": task for the live secure round " + key + " again: a duplicate");
             return false;
         }
-        forget(key);
+        end(key, "over");
         sessions.put(key, client);
         if (endsAt != null) this.endsAt.put(key, endsAt);
+        if (roundEnd != null) roundEnds.put(key, roundEnd);
         while (sessions.size() > maxSessions)       // the oldest rounds: this device leaves them
             end(sessions.keySet().iterator().next(), "pushed out by newer rounds");
         return true;
@@ -79,18 +96,26 @@ public final class SecAggSessions {
     /** Whether a round waits for its end. */
     public boolean expiring() { return !endsAt.isEmpty(); }
 
-    /** Forgets key's round, a live one timed out first (its secrets erased). */
+    /** Ends the open rounds of job before round (a task of round came: they are over). */
+    public void leaveEarlierRounds(String job, long round) {
+        List<List<Object>> over = new ArrayList<>();
+        for (List<Object> key : sessions.keySet())
+            if (job.equals(key.get(0)) && ((Number) key.get(1)).longValue() < round) over.add(key);
+        for (List<Object> key : over) end(key, "over (round " + round + " of its job began)");
+    }
+
+    /** Forgets key's round, a live one timed out first (its secrets erased), and tells its
+     *  RoundEnd, once, whether the round finished here. */
     private void end(List<Object> key, String why) {
-        ClientSecAgg client = forget(key);
-        if (client != null && !client.done()) {
+        ClientSecAgg client = sessions.remove(key);
+        endsAt.remove(key);
+        RoundEnd roundEnd = roundEnds.remove(key);
+        if (client == null) return;
+        if (!client.done()) {
             client.timeOut();
             LOG.info(deviceId + ": secure round " + key + " " + why + ": left, its secrets erased");
         }
-    }
-
-    private ClientSecAgg forget(List<Object> key) {
-        endsAt.remove(key);
-        return sessions.remove(key);
+        if (roundEnd != null) roundEnd.ended(client.state() == ClientSecAgg.State.FINISHED);
     }
 
     /** Whether the round (job, round, group) is open here and not over. */
@@ -134,7 +159,7 @@ public final class SecAggSessions {
             return Collections.emptyList();
         } finally {
             if (client.done()) {
-                forget(key);
+                end(key, "over");
                 if (client.abortReason != null) LOG.info(deviceId + ": secure round " + key + " aborted by the aggregator: " + client.abortReason);
             }
         }
