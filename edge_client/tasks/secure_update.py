@@ -31,12 +31,6 @@ import os
 import time
 from typing import Callable
 
-# told once, when a secure round's session ends on the device, whether the round FINISHED there
-# (True: the device answered the unmask request as a survivor, its input is in the unmasked sum)
-# or ended any other way (False: aborted, declared dropped, past its deadline, pushed out, its
-# answer unsendable): the aggregator's step then never counted this device's input
-RoundEnd = Callable[[bool], None]
-
 import numpy as np
 
 from protocols.clipping import clip_update
@@ -53,6 +47,12 @@ from ..agent import MessageHandler, SecureTaskHandler, TaskDeclined
 from ..secure_inputs import LOST_REASON, SecureInputLedger, input_key
 from ..work_deadline import round_over_at
 from .params import read_params
+
+# told once, when a secure round's session ends on the device, whether the round FINISHED there
+# (True: the device answered the unmask request as a survivor, its input is in the unmasked sum)
+# or ended any other way (False: aborted, declared dropped, past its deadline, pushed out, its
+# answer unsendable): the aggregator's step then never counted this device's input
+RoundEnd = Callable[[bool], None]
 
 log = logging.getLogger("fedfleet.device.secagg")
 
