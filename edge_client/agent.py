@@ -233,7 +233,12 @@ class DeviceAgent:
         """Whether a tick may do anything: a result awaiting its ack (retries), an outage to end,
         an availability to follow, a secure session to end at its deadline. An idle, online, always
         available device's tick is a no-op."""
-        return not (self.hooks.always_available and self.online and self.session.state is DeviceState.IDLE
+        # REPORTED without a resend pending is idle too: a secure task's result expects no ack, and its
+        # session stayed REPORTED until the next task, so a host ticked every device of a secure fleet
+        # for ever after its first secure round
+        resting = self.session.state is DeviceState.IDLE or (self.session.state is DeviceState.REPORTED
+                                                             and not self.session.resend_pending)
+        return not (self.hooks.always_available and self.online and resting
                     and time.monotonic() >= self._outage_until
                     and not any(handler.expiring for handler in self._message_handlers()))
 

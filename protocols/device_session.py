@@ -203,6 +203,15 @@ class DeviceSession:
     def _retry_delay(self) -> float:
         return self.retry_after_s * 2 ** (self.attempts - 1)   # back-off doubles per attempt
 
+    @property
+    def resend_pending(self) -> bool:
+        """Whether a later Tick may still resend the reported result (DEVICE_TABLE's retry row): one
+        awaiting its ack with retries left. A secure task's result expects no ack (its retry timer is
+        off) and one out of retries is never resent: in REPORTED until the next task, a tick only
+        moves their clock."""
+        return self.state is DeviceState.REPORTED and self.next_retry != float("inf") \
+            and self.attempts <= self.max_retries
+
     # -- guards and effects of DEVICE_TABLE's rows -----------------------------------------------
     def _is_current(self, ev) -> bool:
         return ev.ref == self.current

@@ -19,6 +19,7 @@ from edge_client.tasks.secure_fed3r import SecureFed3R
 from edge_client.tasks.secure_update import SecAggSessions
 from edge_client.work_deadline import working_until
 from protocols import messages as M
+from protocols.device_session import DeviceState
 from protocols.envelope import decode, encode
 from protocols.identity import IdentityRegistry
 from protocols.mqtt_link import BrokerConfig
@@ -192,3 +193,20 @@ def test_an_idle_device_holding_a_session_with_an_end_is_ticked():
     assert len(session) == 1 and agent.wants_tick
     secure.sessions.expire(time.time() + 601)
     assert session == {} and not agent.wants_tick
+
+
+def test_a_device_whose_secure_round_is_over_is_not_ticked_for_ever():
+    """A secure task's result goes out through its SecAgg session and expects no ack, so the device's
+    session stays REPORTED (retry timer off) until its next task; the host ticked every such device
+    every tick for ever after its first secure round. Once the SecAgg session is over, nothing a tick
+    could do is left. A plain result awaiting its ack is still ticked (its resend)."""
+    agent, secure = secure_agent()
+    deadline = time.time() + 600
+    task = M.task_message("aggregator", "job1", 1, SYNC_KIND, PARAMS, deadline=deadline, device="u")
+    agent._handle(("inbox", encode(decode(encode(task)))))
+    assert agent.session.state is DeviceState.REPORTED and not agent.session.resend_pending
+    assert agent.wants_tick                                  # its SecAgg session ends on the clock
+    secure.sessions.expire(deadline + agent.session.deadline_grace_s + 1)
+    assert not agent.wants_tick
+    agent.session.next_retry = time.monotonic() + 1.0        # as for a plain result awaiting its ack
+    assert agent.session.resend_pending and agent.wants_tick
