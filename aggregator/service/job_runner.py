@@ -486,7 +486,7 @@ class JobRunner:
     def finish(self) -> dict:
         """Write the job's outputs; with a store, commit its final state first (once). A job whose
         end raises (its re-sum, finalize, final evaluation or model) is taken up again later when
-        the failure is transient (``TRANSIENT_END_ERRORS``), else ends failed, saying why: as a
+        the failure is transient (``TRANSIENT_END_ERRORS``) and the job is stored, else ends failed, saying why: as a
         round close that raises, it stops its job, never the service (no crash loop)."""
         a = self.a
         # a write failed (a result's, a round's close, the finalized state): the job stays running in
@@ -504,9 +504,11 @@ class JobRunner:
         elif state == JobState.FAILED and row is not None:      # restored: it failed before, for this reason
             failure = (row["summary"] or {}).get("error")
         self.crash("job_finishing")
+        # without a store nothing takes the job up again: a failure that a later try would get past is final
+        retried = TRANSIENT_END_ERRORS if self.store is not None else ()
         try:
             end = self._job_end(state, row)
-        except TRANSIENT_END_ERRORS:
+        except retried:
             log.exception("job %s: its end failed; it is tried again", a.job_id)
             a.uncommitted = "the job's end"
             return {}
