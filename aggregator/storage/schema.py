@@ -22,7 +22,7 @@ class JobState(enum.StrEnum):
     STOPPED = "stopped"             # the service gave up on it (its error says why); start/resume again
     CANCELLED = "cancelled"
     DONE = "done"
-    FAILED = "failed"               # ran out of work with no contribution at all (service/job_outcome.py)
+    FAILED = "failed"               # no contribution at all (service/job_outcome.py), or its end raised (job_runner.py)
 
 
 JOB_STATES = tuple(JobState)
