@@ -46,6 +46,7 @@ rule could give this mechanism, the best λ of a grid chosen on the test set (ε
     nice -n 10 .venv/bin/python bench/dp_fleet_scale.py [--fleets 10000 100000] [--cap 10] [--ssp-cap 1] [--clip 8]
     ... --fleets 100000 --seed 3 --project digits-pca --project-dims 768    # fewer noised entries, chosen publicly
     ... --fleets 100000 --seed 3 --noise-draws 8     # the +center rows over 8 noise draws (the expected accuracy)
+    ... --fleets 100000 --seed 3 --noise-draws 4 --row-mean   # devices adding their rows' mean (a lever, not the product)
 """
 
 from __future__ import annotations
@@ -103,14 +104,23 @@ def clip_rows(z: np.ndarray, bound: float) -> np.ndarray:
     return z * np.minimum(1.0, bound / np.maximum(norms, 1e-300))
 
 
-def fleet_sums(z: np.ndarray, y: np.ndarray, parts: list[np.ndarray], cap: int | None) -> tuple[np.ndarray, np.ndarray, int]:
-    """(A, B, samples) of the fleet: Σ over devices of their (at most ``cap``) rows, bias appended."""
-    kept = [p[:cap] if cap else p for p in parts]       # a device keeps its first N (edge_client's cap)
-    weights = np.bincount(np.concatenate(kept), minlength=len(z)).astype(np.float64)
+def fleet_sums(z: np.ndarray, y: np.ndarray, parts: list[np.ndarray], cap: int | None,
+               row_mean: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+    """(A, B, samples) of the fleet: Σ over devices of their (at most ``cap``) rows, bias appended.
+    ``row_mean`` (a lever measured, not what devices send): each device adds the mean of all its
+    rows' statistics instead (weights 1/n_k summing to 1, so one device moves A and B by at most
+    what one row does: the sensitivity of ``cap`` = 1); samples is then the number of devices."""
+    weights = np.zeros(len(z))
+    if row_mean:
+        for part in parts:
+            np.add.at(weights, part, 1.0 / len(part))
+    else:
+        kept = [p[:cap] if cap else p for p in parts]       # a device keeps its first N (edge_client's cap)
+        weights = np.bincount(np.concatenate(kept), minlength=len(z)).astype(np.float64)
     za = np.hstack([z, np.ones((len(z), 1))])
     a = (za * weights[:, None]).T @ za
     b = (za * weights[:, None]).T @ np.eye(C)[y]
-    return a, b, int(weights.sum())
+    return a, b, len(parts) if row_mean else int(weights.sum())
 
 
 def accuracy(a: np.ndarray, b: np.ndarray, lam: float, test: tuple[np.ndarray, np.ndarray]) -> float:
@@ -213,7 +223,8 @@ def centred_accuracy(ztr: np.ndarray, ytr: np.ndarray, parts: list[np.ndarray], 
     a, b, n = fleet_sums(clip_rows(ztr, args.clip), ytr, centre_parts, args.ssp_cap)
     strategy.add(Fed3RStats(n=n, p=p, a_upper=a[iu], class_ids=np.arange(C), b=b.T))
     strategy.release()                                   # the center round: only μ̂ is released
-    a, b, n = fleet_sums(clip_rows(ztr - center.value, args.center_clip), ytr, rest, args.ssp_cap)
+    a, b, n = fleet_sums(clip_rows(ztr - center.value, args.center_clip), ytr, rest, args.ssp_cap,
+                         row_mean=args.row_mean)
     strategy.pending.add_dense(a[iu], b.T, n)
     strategy.release()
     return strategy.solve().score(*test)                 # raw test features: the bias absorbed μ̂
@@ -264,7 +275,12 @@ def main() -> None:
                          "directions of public data (scikit-learn's digits through the same backbone), or a seeded "
                          "random orthonormal basis (scale --clip/--center-clip by √(d/p) yourself)")
     ap.add_argument("--project-dims", type=int, default=768)
+    ap.add_argument("--row-mean", action="store_true",
+                    help="the +center rows: each device adds the mean of all its rows' statistics, not its first "
+                         "--ssp-cap (needs --ssp-cap 1: the same sensitivity; not what devices send today)")
     args = ap.parse_args()
+    if args.row_mean and args.ssp_cap != 1:
+        ap.error("--row-mean keeps the sensitivity of one row: it needs --ssp-cap 1")
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     (ztr, ytr), test = features("train"), features("test")
