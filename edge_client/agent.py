@@ -173,6 +173,10 @@ class DeviceAgent:
         # Multi-message protocols (secure aggregation): task kind or message type -> an object with
         # on_task(job, round, params, tensors) / on_message(env), each returning envelopes to publish.
         self.protocol_handlers = protocol_handlers or {}
+        # the handlers on the MessageHandler interface (``expire``, ``expiring``), found once: a host asks
+        # every device's wants_tick every tick (a plain callable registered for a type ends no rounds)
+        self._message_handlers = tuple(handler for handler in self.protocol_handlers.values()
+                                       if isinstance(handler, MessageHandler))
         self.topics = topics
         self.handlers = handlers
         self.hooks = hooks or AgentHooks()
@@ -233,19 +237,18 @@ class DeviceAgent:
         """Whether a tick may do anything: a result awaiting its ack (retries), an outage to end,
         an availability to follow, a secure session to end at its deadline. An idle, online, always
         available device's tick is a no-op."""
+        if not (self.hooks.always_available and self.online and time.monotonic() >= self._outage_until):
+            return True
+        state = self.session.state
         # REPORTED without a resend pending is idle too: a secure task's result expects no ack, and its
         # session stayed REPORTED until the next task, so a host ticked every device of a secure fleet
         # for ever after its first secure round
-        resting = self.session.state is DeviceState.IDLE or (self.session.state is DeviceState.REPORTED
-                                                             and not self.session.resend_pending)
-        return not (self.hooks.always_available and self.online and resting
-                    and time.monotonic() >= self._outage_until
-                    and not any(handler.expiring for handler in self._message_handlers()))
-
-    def _message_handlers(self) -> list[MessageHandler]:
-        """The protocol handlers on the ``MessageHandler`` interface (``expire``, ``expiring``); a plain
-        callable registered for a message type has no rounds to end."""
-        return [handler for handler in self.protocol_handlers.values() if isinstance(handler, MessageHandler)]
+        if state is not DeviceState.IDLE and (state is not DeviceState.REPORTED or self.session.resend_pending):
+            return True
+        for handler in self._message_handlers:
+            if handler.expiring:
+                return True
+        return False
 
     def _go_online(self) -> None:
         self.link.start()
@@ -275,7 +278,7 @@ class DeviceAgent:
         # first chunks) would otherwise hold the sender's slots, and refuse its later tasks, for ever
         self.assembler.reassembler.expire()
         wall = time.time()          # protocol rounds end at a task's deadline: wall-clock time
-        for handler in self._message_handlers():
+        for handler in self._message_handlers:
             handler.expire(wall)
         self._execute(self.session.handle(Tick(now)))
         self._follow_availability()
