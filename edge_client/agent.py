@@ -174,7 +174,8 @@ class DeviceAgent:
         # on_task(job, round, params, tensors) / on_message(env), each returning envelopes to publish.
         self.protocol_handlers = protocol_handlers or {}
         # the handlers on the MessageHandler interface (``expire``, ``expiring``), found once: a host asks
-        # every device's wants_tick every tick (a plain callable registered for a type ends no rounds)
+        # every device's wants_tick every tick (a plain callable registered for a type ends no rounds;
+        # bench/host_tick_check.py: a secure fleet's idle device 1.24x a plain one's)
         self._message_handlers = tuple(handler for handler in self.protocol_handlers.values()
                                        if isinstance(handler, MessageHandler))
         self.topics = topics
