@@ -110,8 +110,8 @@ def fleet_sums(z: np.ndarray, y: np.ndarray, parts: list[np.ndarray], cap: int |
     ``row_mean`` (a lever measured, not what devices send): each device adds the mean of all its
     rows' statistics instead (weights 1/n_k summing to 1, so one device moves A and B by at most
     what one row does: the sensitivity of ``cap`` = 1); samples is then the number of devices."""
-    weights = np.zeros(len(z))
     if row_mean:
+        weights = np.zeros(len(z))
         for part in parts:
             np.add.at(weights, part, 1.0 / len(part))
     else:
