@@ -8,7 +8,8 @@ Fashion-MNIST training images (1 to 50, about 5 on average, label-skewed as Dir(
 Features: MobileNetV2 at 32 px (eager, cached in .cache/features).
 
 What runs is the job's own mechanism, not a re-implementation: every device clips its rows to
-F and keeps at most N of them (``edge_client.fed3r``'s rule), the fleet's sum is handed to the
+F and weighs them to at most N in all (each of its n rows by min(1, N/n): ``cap_by_weight``,
+``edge_client.fed3r``'s rule; ``--first-rows``: its first N, the rule before), the fleet's sum is handed to the
 DP strategy (``aggregator.strategies.dp_fed3r.NoisyFed3R``) with the job's mechanism, which
 noises the sum and solves on its denoised A (gaussian: the PSD projection; ssp: spiked-Wigner
 shrinkage); z is the smallest noise multiplier the mechanism's accountant (dp-accounting)
@@ -46,7 +47,7 @@ rule could give this mechanism, the best λ of a grid chosen on the test set (ε
     nice -n 10 .venv/bin/python bench/dp_fleet_scale.py [--fleets 10000 100000] [--cap 10] [--ssp-cap 1] [--clip 8]
     ... --fleets 100000 --seed 3 --project digits-pca --project-dims 768    # fewer noised entries, chosen publicly
     ... --fleets 100000 --seed 3 --noise-draws 8     # the +center rows over 8 noise draws (the expected accuracy)
-    ... --fleets 100000 --seed 3 --noise-draws 4 --row-mean   # devices adding their rows' mean (a lever, not the product)
+    ... --fleets 100000 --seed 3 --noise-draws 4 --first-rows  # devices keeping their first N rows (the rule before stop 81)
 """
 
 from __future__ import annotations
@@ -105,22 +106,22 @@ def clip_rows(z: np.ndarray, bound: float) -> np.ndarray:
 
 
 def fleet_sums(z: np.ndarray, y: np.ndarray, parts: list[np.ndarray], cap: int | None,
-               row_mean: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
-    """(A, B, samples) of the fleet: Σ over devices of their (at most ``cap``) rows, bias appended.
-    ``row_mean`` (a lever measured, not what devices send): each device adds the mean of all its
-    rows' statistics instead (weights 1/n_k summing to 1, so one device moves A and B by at most
-    what one row does: the sensitivity of ``cap`` = 1); samples is then the number of devices."""
-    if row_mean:
-        weights = np.zeros(len(z))
-        for part in parts:
-            np.add.at(weights, part, 1.0 / len(part))
-    else:
-        kept = [p[:cap] if cap else p for p in parts]       # a device keeps its first N (edge_client's cap)
-        weights = np.bincount(np.concatenate(kept), minlength=len(z)).astype(np.float64)
+               first_rows: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+    """(A, B, samples) of the fleet, bias appended: Σ over devices of all their rows (``cap`` None),
+    or of their rows each weighed min(1, cap/n_k) (the devices' ``cap_by_weight``), or with
+    ``first_rows`` of their first ``cap`` rows; samples is Σ min(n_k, cap) either way."""
+    weights = np.zeros(len(z))
+    for part in parts:
+        if cap is None:
+            np.add.at(weights, part, 1.0)
+        elif first_rows:
+            np.add.at(weights, part[:cap], 1.0)
+        else:
+            np.add.at(weights, part, min(1.0, cap / len(part)))
     za = np.hstack([z, np.ones((len(z), 1))])
     a = (za * weights[:, None]).T @ za
     b = (za * weights[:, None]).T @ np.eye(C)[y]
-    return a, b, len(parts) if row_mean else int(weights.sum())
+    return a, b, sum(len(p) if cap is None else min(len(p), cap) for p in parts)
 
 
 def accuracy(a: np.ndarray, b: np.ndarray, lam: float, test: tuple[np.ndarray, np.ndarray]) -> float:
@@ -220,11 +221,10 @@ def centred_accuracy(ztr: np.ndarray, ytr: np.ndarray, parts: list[np.ndarray], 
     noise = np.random.default_rng(args.seed if noise_seed is None else noise_seed)
     strategy = NoisyFed3R(C, p, 0.01, True, True, mechanism, rng=noise, center=center)
     iu = np.triu_indices(p)
-    a, b, n = fleet_sums(clip_rows(ztr, args.clip), ytr, centre_parts, args.ssp_cap)
+    a, b, n = fleet_sums(clip_rows(ztr, args.clip), ytr, centre_parts, args.ssp_cap, args.first_rows)
     strategy.add(Fed3RStats(n=n, p=p, a_upper=a[iu], class_ids=np.arange(C), b=b.T))
     strategy.release()                                   # the center round: only μ̂ is released
-    a, b, n = fleet_sums(clip_rows(ztr - center.value, args.center_clip), ytr, rest, args.ssp_cap,
-                         row_mean=args.row_mean)
+    a, b, n = fleet_sums(clip_rows(ztr - center.value, args.center_clip), ytr, rest, args.ssp_cap, args.first_rows)
     strategy.pending.add_dense(a[iu], b.T, n)
     strategy.release()
     return strategy.solve().score(*test)                 # raw test features: the bias absorbed μ̂
@@ -275,12 +275,9 @@ def main() -> None:
                          "directions of public data (scikit-learn's digits through the same backbone), or a seeded "
                          "random orthonormal basis (scale --clip/--center-clip by √(d/p) yourself)")
     ap.add_argument("--project-dims", type=int, default=768)
-    ap.add_argument("--row-mean", action="store_true",
-                    help="the +center rows: each device adds the mean of all its rows' statistics, not its first "
-                         "--ssp-cap (needs --ssp-cap 1: the same sensitivity; not what devices send today)")
+    ap.add_argument("--first-rows", action="store_true",
+                    help="devices keep their first N rows (the cap before cap_by_weight) instead of weighing all")
     args = ap.parse_args()
-    if args.row_mean and args.ssp_cap != 1:
-        ap.error("--row-mean keeps the sensitivity of one row: it needs --ssp-cap 1")
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     (ztr, ytr), test = features("train"), features("test")
@@ -307,7 +304,7 @@ def main() -> None:
         delta = 1.0 / n_devices
         rows = {}
         for kind, cap in (("gaussian", args.cap), ("ssp", args.ssp_cap)):
-            sums = fleet_sums(clipped, ytr, parts, cap)
+            sums = fleet_sums(clipped, ytr, parts, cap, args.first_rows)
             mechanisms = [mechanism_for(kind, eps, delta, cap, args.clip, args.b_share) for eps in EPSILONS]
             print(f"{'':>8} {kind} N={cap}: {sums[2]} samples kept, no-DP accuracy on them "
                   f"{accuracy(sums[0], sums[1], 0.01, test):.3f}", flush=True)

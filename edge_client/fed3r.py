@@ -45,6 +45,8 @@ class Fed3RAccumulator:
         self._A: np.ndarray | None = None
         self.B = np.zeros((num_classes, self.p), dtype=np.float64)
         self.counts = np.zeros(num_classes, dtype=np.int64)
+        self.weight = 1.0                 # every row's weight (:meth:`weigh`)
+        self._weighed_n: int | None = None
 
     def transform(self, features: np.ndarray) -> np.ndarray:
         Z = np.asarray(features, dtype=np.float64)
@@ -65,6 +67,8 @@ class Fed3RAccumulator:
         return Z
 
     def update(self, features: np.ndarray, labels: np.ndarray) -> None:
+        if self._weighed_n is not None:
+            raise ValueError("the statistics are weighed: no more rows")
         labels = np.asarray(labels)
         if labels.ndim != 1 or len(labels) != len(features):
             raise ValueError("labels must be a vector with one label per feature row")
@@ -90,11 +94,14 @@ class Fed3RAccumulator:
 
     def _gram(self, Z: np.ndarray | None = None) -> np.ndarray:
         """A, built on first use from the kept rows, chunk by chunk in the order they came (the
-        same float sums as adding each chunk's ZᵀZ when it arrived), plus ``Z``'s ZᵀZ."""
+        same float sums as adding each chunk's ZᵀZ when it arrived, times the rows' weight), plus
+        ``Z``'s ZᵀZ."""
         if self._A is None:
             self._A = np.zeros((self.p, self.p), dtype=np.float64)
             for chunk in self._rows or ():
                 self._A += chunk.T @ chunk
+            if self._weighed_n is not None:
+                self._A *= self.weight
         if Z is not None:
             self._A += Z.T @ Z
         return self._A
@@ -105,7 +112,22 @@ class Fed3RAccumulator:
 
     @property
     def n(self) -> int:
-        return int(self.counts.sum())
+        return int(self.counts.sum()) if self._weighed_n is None else self._weighed_n
+
+    def weigh(self, total: int) -> None:
+        """Weigh the statistics' samples to ``total`` in all, once every row is in (a DP task's
+        ``cap_by_weight``): each of the n rows by total/n when n > total, so A = Σ w z zᵀ and
+        b = Σ w y zᵀ are bounded as ``total`` rows are (``docs/algorithms.md``, DP Fed3R) and
+        :attr:`n` is ``total``; nothing changes when n ≤ total."""
+        rows = int(self.counts.sum())
+        if self._weighed_n is not None:
+            raise ValueError("the statistics are weighed already")
+        if rows <= total:
+            return
+        self.weight, self._weighed_n = total / rows, int(total)
+        if self._A is not None:
+            self._A *= self.weight
+        self.B *= self.weight
 
     def sparse(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(A, class_ids, b_rows): only the classes present locally."""
@@ -122,6 +144,9 @@ class Fed3RAccumulator:
         ids = np.flatnonzero(self.counts).astype(np.int64)
         live = (Z != 0).any(axis=0)                          # ReLU features: dead channels are exact zeros
         R, qty = canonical_factor(Z[:, live], (labels[:, None] == ids[None, :]).astype(np.float64))
+        if self._weighed_n is not None:     # A = w RᵀR and b = w Rᵀ(QᵀY): both factors times √w
+            root = np.sqrt(self.weight)
+            R, qty = R * root, qty * root
         return FactorForm(R, qty, ids, np.flatnonzero(~live).astype(np.int64))
 
 

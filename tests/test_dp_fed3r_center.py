@@ -234,9 +234,11 @@ def test_secure_device_sends_its_noisy_feature_sum_then_centred_statistics(tmp_p
                          Fed3RStatsTask(Z.astype(np.float32), y, lambda b, s, w: Features(D),
                                         windows=kept_windows(tmp_path)),
                          noise_rng=np.random.default_rng(11))
-    rows = clip(Z[:2].astype(np.float32).astype(np.float64), 20.0)
+    # cap_by_weight: all 5 rows, each weighed 2/5 (the cap of 2 samples in all)
+    assert params["cap_by_weight"] and params["max_samples"] == 2
+    rows = clip(Z.astype(np.float32).astype(np.float64), 20.0)
     dp = params["dp"]
-    expected = add_skellam_noise(np.r_[rows.sum(axis=0), 2.0], dp["stddev"], dp["scale_bits"],
+    expected = add_skellam_noise(np.r_[rows.sum(axis=0) * (2 / 5), 2.0], dp["stddev"], dp["scale_bits"],
                                  np.random.default_rng(11), noised=slice(0, D + 1))
     np.testing.assert_allclose(device.vector(params, tensors), expected, rtol=1e-12, atol=1e-9)
 
@@ -249,8 +251,8 @@ def test_secure_device_sends_its_noisy_feature_sum_then_centred_statistics(tmp_p
     params, tensors = job.task_for(rest[0])
     assert params["centered"] and params["feature_clip_norm"] == 3.0 and "center_round" not in params
     np.testing.assert_array_equal(tensors[CENTER_TENSOR], mu)
-    rows = np.hstack([clip(Z[:2].astype(np.float32).astype(np.float64) - mu, 3.0), np.ones((2, 1))])
-    A, B = rows.T @ rows, rows.T @ np.eye(C)[y[:2]]
+    rows = np.hstack([clip(Z.astype(np.float32).astype(np.float64) - mu, 3.0), np.ones((5, 1))])
+    A, B = (rows.T @ rows) * (2 / 5), (rows.T @ np.eye(C)[y]) * (2 / 5)
     scales, dp = params["block_scales"], params["dp"]
     vector = scale_sync_blocks(pack_sync_vector(A[np.triu_indices(D + 1)], B.T, 0), D + 1, C,
                                scales["a_off_diagonal"], scales["b"])
@@ -287,9 +289,9 @@ def test_a_devices_noise_shares_are_each_seeded_afresh_from_the_operating_system
     monkeypatch.setattr(os, "urandom", lambda n: pinned[:n])
     first, second = device.vector(params, tensors), device.vector(params, tensors)
     np.testing.assert_array_equal(first, second)
-    rows = clip(Z[:2].astype(np.float32).astype(np.float64), 20.0)
+    rows = clip(Z.astype(np.float32).astype(np.float64), 20.0)
     dp = params["dp"]
     seeded = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int.from_bytes(pinned, "big"))))
-    expected = add_skellam_noise(np.r_[rows.sum(axis=0), 2.0], dp["stddev"], dp["scale_bits"], seeded,
+    expected = add_skellam_noise(np.r_[rows.sum(axis=0) * (2 / 5), 2.0], dp["stddev"], dp["scale_bits"], seeded,
                                  noised=slice(0, D + 1))
     np.testing.assert_allclose(first, expected, rtol=1e-12, atol=1e-9)

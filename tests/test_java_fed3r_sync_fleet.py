@@ -131,10 +131,11 @@ def test_mixed_fleet_fed3r_sync_with_a_private_center_releases_the_center_then_c
     rows = {d: data(ids.index(d)) for d in ids}
 
     def clipped(Z, clip):
-        Z = Z[:N].astype(np.float64)
+        Z = Z.astype(np.float64)
         return Z * np.minimum(1.0, clip / np.linalg.norm(Z, axis=1, keepdims=True))
 
-    exact = np.concatenate([sum(clipped(rows[d][0], F).sum(axis=0) for d in members), [N * len(members)]])
+    w = N / 37                                  # cap_by_weight: every one of a device's 37 rows weighed to N in all
+    exact = np.concatenate([sum(w * clipped(rows[d][0], F).sum(axis=0) for d in members), [N * len(members)]])
     noise = center_sum - exact
     lo, hi = scipy_stats.chi2.ppf([1e-6, 1 - 1e-6], noise.size) / noise.size
     assert lo < np.mean(noise ** 2) / (len(members) * center_stddev ** 2) < hi
@@ -142,8 +143,8 @@ def test_mixed_fleet_fed3r_sync_with_a_private_center_releases_the_center_then_c
     np.testing.assert_allclose(mu, center_sum[:-1] / max(center_sum[-1], 1.0), rtol=1e-12)   # dp_center.py
     A = B = 0.0
     for d in others:
-        Zc = np.hstack([clipped(rows[d][0].astype(np.float64) - mu, Fc), np.ones((N, 1))])
-        A, B = A + Zc.T @ Zc, B + Zc.T @ np.eye(C)[rows[d][1][:N]]
+        Zc = np.hstack([clipped(rows[d][0].astype(np.float64) - mu, Fc), np.ones((37, 1))])
+        A, B = A + w * (Zc.T @ Zc), B + w * (Zc.T @ np.eye(C)[rows[d][1]])
     total, scales = len(others) * job._round_dp["stddev"] ** 2, cfg.block_scales()
     assert job.strategy.releases == 1           # the center round released μ̂ only
     assert_noise_of_variance(job.strategy.released, A, B,

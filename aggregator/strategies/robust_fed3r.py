@@ -44,6 +44,7 @@ from aggregator.strategies.robust_fedavg import typical
 # fixed-point sum 2^-f per entry: a 1e-5 relative (1e-6 absolute) slack refuses nothing honest
 # and gives an attacker nothing worth having.
 _SLACK, _ABS = 1 + 1e-5, 1e-6
+_TINY = 1e-9
 
 
 def packed_diagonal(a_upper: np.ndarray, p: int) -> np.ndarray:
@@ -143,7 +144,9 @@ class FeatureBound:
     @staticmethod
     def _check_class_sums(diag: np.ndarray, b: np.ndarray, counts: np.ndarray, rounding: float) -> None:
         e = rounding
-        empty = counts <= 0.5             # no row of that class: its sums must be (about) zero
+        # no row of that class: its sums must be (about) zero. Counts are whole numbers, or weighted
+        # ones of at least N/n (a DP task's cap_by_weight), far above this
+        empty = counts <= _TINY + e
         if (np.abs(b[empty]) > _ABS + e).any():
             raise ValueError("b holds sums for a class of no samples")
         held, counts = b[~empty], counts[~empty, None]

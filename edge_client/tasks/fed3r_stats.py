@@ -68,7 +68,9 @@ class Fed3RStatsTask:
             raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
         extractor = extractor_for(self.extractor_factory, task.model)
         cap = task.sample_cap
-        if cap is not None:    # DP caps the samples per device (the first max_samples: a choice blind to the data)
+        if cap is not None and not task.weighs_samples:
+            # DP caps the samples per device: the first max_samples, a choice blind to the data (or, with
+            # cap_by_weight, every sample weighed below: the same bound, none of the data left out)
             images, labels = images[:cap], labels[:cap]
         self._check_memory(task, extractor.feature_dim, rows=len(labels))
         window = (start, start + len(labels), len(self.images))
@@ -83,6 +85,8 @@ class Fed3RStatsTask:
             acc.update(extractor.extract(images), labels)
         except ValueError as exc:          # statistics that are not numbers are declined, never sent
             raise TaskDeclined(str(exc)) from None
+        if task.weighs_samples:
+            acc.weigh(cap)
         body, out = encode_smallest(acc, num_classes, dense, task.dtype)
         if task.from_sample is not None:
             body["from_sample"] = start

@@ -79,7 +79,10 @@ class Fed3RStatsParams(TaskParams):
     """``fed3r.stats`` params. ``format``: the b form; ``dtype``: the statistics' wire dtype;
     ``factor``: the device may send the exact factor form when it is smaller (sparse only);
     ``feature_clip_norm`` > 0: each feature row clipped to it (DP's and Fed3R-Sync's bound);
-    ``cap_samples``: the device sends at most ``max_samples`` samples (the first ones);
+    ``cap_samples``: the device's statistics hold at most ``max_samples`` samples: its first ones,
+    or with ``cap_by_weight`` all its n samples, each weighed min(1, ``max_samples``/n) (A and b
+    are the weighted sums, ``n`` in the reply min(n, ``max_samples``)), which bounds them exactly as
+    the first ones do and keeps every sample's information (``docs/algorithms.md``, DP Fed3R);
     ``from_sample`` (streaming): the samples the aggregator already holds of this device;
     ``centered``: the task carries the tensor ``feature_center`` (the feature dimension's float64
     vector, DP Fed3R's privately released mean) and the device subtracts it from every feature row
@@ -96,6 +99,7 @@ class Fed3RStatsParams(TaskParams):
     feature_clip_norm: float | None = optional()
     max_samples: int | None = optional()
     cap_samples: bool | None = optional()
+    cap_by_weight: bool | None = optional()
     from_sample: int | None = optional()
     centered: bool | None = optional()
 
@@ -111,6 +115,10 @@ class Fed3RStatsParams(TaskParams):
             check_bool("cap_samples", self.cap_samples)
             if self.cap_samples and self.max_samples is None:
                 raise ValueError("cap_samples needs max_samples")
+        if self.cap_by_weight is not None:
+            check_bool("cap_by_weight", self.cap_by_weight)
+            if self.cap_by_weight and not self.cap_samples:
+                raise ValueError("cap_by_weight needs cap_samples")
         if self.from_sample is not None:
             check_int("from_sample", self.from_sample)
         if self.centered is not None:
@@ -122,6 +130,11 @@ class Fed3RStatsParams(TaskParams):
     @property
     def sample_cap(self) -> int | None:
         return self.max_samples if self.cap_samples else None
+
+    @property
+    def weighs_samples(self) -> bool:
+        """Whether the cap weighs every sample (``cap_by_weight``) rather than keeping the first ones."""
+        return bool(self.cap_samples and self.cap_by_weight)
 
 
 def triu_pack(a: np.ndarray) -> np.ndarray:
@@ -272,12 +285,15 @@ def numpy_positive_definite(upper: np.ndarray, tau: float) -> bool:
 
 def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**9,
                 fit_intercept: bool = True,
-                positive_definite: PositiveDefinite = numpy_positive_definite, checked: bool = False) -> Fed3RStats:
+                positive_definite: PositiveDefinite = numpy_positive_definite, checked: bool = False,
+                weighed: bool = False) -> Fed3RStats:
     """Validate a ``fed3r.stats`` result against the job's (p, C); raise EnvelopeError if anything is
     off (shapes, dtypes, finiteness, a Gram matrix's properties, consistency with n).
     ``checked``: these very bytes passed this function before (in an ingest worker, or before they
     were stored): the passes over every value (finiteness, the Gram check) are skipped, and float64
-    tensors come back as the read-only views on ``msg``'s bytes they are, not copies."""
+    tensors come back as the read-only views on ``msg``'s bytes they are, not copies.
+    ``weighed``: the task capped samples by weight (``cap_by_weight``), so the class counts in the
+    bias column are weighted counts, not whole numbers (they still sum to n)."""
     n = body_field(msg, "n", int)
     if not (0 < n <= max_samples):
         raise EnvelopeError(f"{KIND}: sample count n={n} out of range (1..{max_samples})")
@@ -288,13 +304,13 @@ def parse_stats(msg: Envelope, p: int, num_classes: int, max_samples: int = 10**
     fmt = body_field(msg, "format", str)
     a_format = msg.body.get("a_format", "packed")
     if a_format == "factor":
-        stats = _parse_factor(msg, n, p, num_classes)
+        stats = _parse_factor(msg, n, p, num_classes, weighed)
     elif a_format == "packed":
         stats = _parse_packed(msg, fmt, n, p, num_classes, positive_definite, checked)
     else:
         raise EnvelopeError(f"{KIND}: unknown a_format {a_format!r} (packed | factor)")
     if fit_intercept:
-        _check_counts(stats, n)
+        _check_counts(stats, n, whole=not weighed)
     return stats
 
 
@@ -341,7 +357,9 @@ def _parse_packed(msg: Envelope, fmt: str, n: int, p: int, num_classes: int,
     return Fed3RStats(n=n, p=p, a_upper=a, class_ids=ids, b=b)
 
 
-def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int) -> Fed3RStats:
+def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int, weighed: bool = False) -> Fed3RStats:
+    """The factor form: R has at most n rows (its rank, at most the rows summed), or, when the
+    samples were weighed (more rows summed than ``n`` says), at most its columns."""
     if body_field(msg, "format", str) != "sparse":
         raise EnvelopeError(f"{KIND}: the factor form carries a sparse b (format 'sparse')")
     names = {"R", "QtY", "class_ids"}
@@ -349,8 +367,10 @@ def _parse_factor(msg: Envelope, n: int, p: int, num_classes: int) -> Fed3RStats
     kept = _kept_columns(msg, p)
     dtype = _stats_dtype(msg, "R")
     r_factor = require_tensor(msg, "R", dtype, (None, len(kept)))
-    if not 1 <= len(r_factor) <= n:
-        raise EnvelopeError(f"{KIND}: factor R has {len(r_factor)} rows; expected 1..n={n}")
+    most = len(kept) if weighed else n
+    if not 1 <= len(r_factor) <= most:
+        raise EnvelopeError(f"{KIND}: factor R has {len(r_factor)} rows; expected 1..{'its columns' if weighed else 'n'}"
+                            f"={most}")
     ids = _class_ids(msg, num_classes)
     qty = require_tensor(msg, "QtY", dtype, (len(r_factor), len(ids)))
     require_finite(msg, "R", "QtY")
@@ -456,9 +476,10 @@ def _gram_scratch(p: int) -> np.ndarray:
     return unit
 
 
-def _check_counts(stats: Fed3RStats, n: int) -> None:
+def _check_counts(stats: Fed3RStats, n: int, whole: bool = True) -> None:
     """With a bias column of ones, A's last diagonal entry is n and b's bias column holds the
-    per-class counts, which sum to n (checked on the rounded wire values)."""
+    per-class counts, which sum to n (checked on the rounded wire values), whole numbers unless the
+    samples were weighed (``whole`` False)."""
     if stats.r_factor is not None:
         bias = stats.full_factor()[:, -1]          # zero if the bias column was listed among the zero columns
         last = float(bias @ bias)
@@ -467,5 +488,5 @@ def _check_counts(stats: Fed3RStats, n: int) -> None:
         last, counts = float(stats.a_upper[-1]), stats.b[:, -1]
     tol = 1e-4 * n + 1e-6
     if abs(last - n) > tol or abs(float(counts.sum()) - n) > tol or (counts < -tol).any() \
-            or (np.abs(counts - np.round(counts)) > tol).any():
+            or (whole and (np.abs(counts - np.round(counts)) > tol).any()):
         raise EnvelopeError(f"{KIND}: the statistics do not add up to n={n} samples (bias entries)")

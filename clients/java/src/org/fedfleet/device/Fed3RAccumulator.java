@@ -3,7 +3,8 @@
 // double precision whatever the feature precision; with fitIntercept a constant-1 column is
 // appended to Z, so A's last diagonal entry is n and b's last column holds the class counts. With a
 // featureClipNorm > 0 (differential privacy) each feature row is first scaled to a norm of at most
-// featureClipNorm, which bounds what one sample adds to A and b.
+// featureClipNorm, which bounds what one sample adds to A and b. weigh(total) then weighs the rows to
+// `total` samples in all (a DP task's cap_by_weight).
 package org.fedfleet.device;
 
 import java.util.ArrayList;
@@ -20,6 +21,8 @@ public final class Fed3RAccumulator {
     private double[] center;         // a centered task's feature_center, or null
     private List<double[]> rows;     // the augmented rows, for the exact factor form, while fewer than p
     private final List<Integer> rowLabels = new ArrayList<>();
+    private double weight = 1.0;     // every row's weight (weigh)
+    private long weighedN = -1;      // n once weighed, else -1
 
     /** Most statistics values a device holds (A's triangle + b): 2^27 doubles, 1 GiB, as SecAgg's longest vector. */
     public static final long MAX_VALUES = 1L << 27;
@@ -50,6 +53,7 @@ public final class Fed3RAccumulator {
     }
 
     public void add(float[] features, int label) {
+        if (weighedN >= 0) throw new IllegalArgumentException("the statistics are weighed: no more rows");
         if (features.length != featureDim) throw new IllegalArgumentException("features must have " + featureDim + " values, got " + features.length);
         if (label < 0 || label >= numClasses) throw new IllegalArgumentException("label " + label + " outside [0, " + numClasses + ")");
         for (int i = 0; i < featureDim; i++) {
@@ -89,10 +93,30 @@ public final class Fed3RAccumulator {
         double[][] onehot = new double[rows.size()][classes.length];
         for (int i = 0; i < rows.size(); i++)
             for (int c = 0; c < classes.length; c++) onehot[i][c] = classes[c] == rowLabels.get(i) ? 1.0 : 0.0;
-        return CanonicalFactor.of(rows.toArray(new double[0][]), onehot);
+        CanonicalFactor f = CanonicalFactor.of(rows.toArray(new double[0][]), onehot);
+        if (weighedN >= 0) {         // A = w RᵀR and b = w Rᵀ(QᵀY): both factors times √w
+            double root = Math.sqrt(weight);
+            for (double[] row : f.r) for (int k = 0; k < row.length; k++) row[k] *= root;
+            for (double[] row : f.qty) for (int k = 0; k < row.length; k++) row[k] *= root;
+        }
+        return f;
+    }
+
+    /** Weigh the samples to `total` in all, once every row is in (edge_client/fed3r.py weigh): each
+     *  of the n rows by total/n when n > total, so A and b are bounded as `total` rows are and n()
+     *  is `total`; nothing changes when n <= total. */
+    public void weigh(long total) {
+        if (weighedN >= 0) throw new IllegalStateException("the statistics are weighed already");
+        long rowsIn = n();
+        if (rowsIn <= total) return;
+        weight = (double) total / rowsIn;
+        weighedN = total;
+        for (int k = 0; k < aUpper.length; k++) aUpper[k] *= weight;
+        for (double[] row : b) for (int k = 0; k < row.length; k++) row[k] *= weight;
     }
 
     public long n() {
+        if (weighedN >= 0) return weighedN;
         long n = 0;
         for (long c : counts) n += c;
         return n;

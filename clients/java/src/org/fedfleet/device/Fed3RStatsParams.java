@@ -17,6 +17,7 @@ public final class Fed3RStatsParams {
     final Double featureClipNorm;           // null: absent
     final Long maxSamples, fromSample;
     final Boolean capSamples;
+    final Boolean capByWeight;              // true (with capSamples): every sample weighed to max_samples in all
     final Boolean centered;                 // true: rows shifted by the task's feature_center tensor before the clip
 
     private Fed3RStatsParams(Map<String, Object> p) throws TaskDeclined {
@@ -35,6 +36,9 @@ public final class Fed3RStatsParams {
         capSamples = TaskParams.present(p, "cap_samples") ? TaskParams.bool(p, "cap_samples", false) : null;
         if (Boolean.TRUE.equals(capSamples) && maxSamples == null)
             throw new TaskDeclined("bad " + KIND + " params: cap_samples needs max_samples");
+        capByWeight = TaskParams.present(p, "cap_by_weight") ? TaskParams.bool(p, "cap_by_weight", false) : null;
+        if (Boolean.TRUE.equals(capByWeight) && !Boolean.TRUE.equals(capSamples))
+            throw new TaskDeclined("bad " + KIND + " params: cap_by_weight needs cap_samples");
         fromSample = TaskParams.present(p, "from_sample") ? Params.integer(p, "from_sample", 0, 1_000_000_000) : null;
         centered = TaskParams.present(p, "centered") ? TaskParams.bool(p, "centered", false) : null;
         if (Boolean.TRUE.equals(centered) && (featureClipNorm == null || featureClipNorm == 0.0 || randomFeatures != null))
@@ -48,6 +52,9 @@ public final class Fed3RStatsParams {
     /** The samples a DP task caps the device to, or null. */
     Long sampleCap() { return Boolean.TRUE.equals(capSamples) ? maxSamples : null; }
 
+    /** Whether the cap weighs every sample (cap_by_weight) rather than keeping the first ones. */
+    boolean weighsSamples() { return Boolean.TRUE.equals(capSamples) && Boolean.TRUE.equals(capByWeight); }
+
     public Map<String, Object> toParams() {
         Map<String, Object> out = new LinkedHashMap<>();
         model.toParams(out);
@@ -59,6 +66,7 @@ public final class Fed3RStatsParams {
         if (featureClipNorm != null) out.put("feature_clip_norm", featureClipNorm);
         if (maxSamples != null) out.put("max_samples", BigInteger.valueOf(maxSamples));
         if (capSamples != null) out.put("cap_samples", capSamples);
+        if (capByWeight != null) out.put("cap_by_weight", capByWeight);
         if (fromSample != null) out.put("from_sample", BigInteger.valueOf(fromSample));
         if (centered != null) out.put("centered", centered);
         out.put(TaskParams.VERSION_KEY, TaskParams.VERSION);

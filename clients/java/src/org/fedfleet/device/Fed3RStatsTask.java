@@ -52,7 +52,8 @@ public final class Fed3RStatsTask implements TaskHandler {
 
     /** The task's statistics without encoding them (what the secure variant masks): over the
      *  samples after the first from_sample (streaming: the aggregator holds those already), the
-     *  first max_samples of them when the task caps samples (DP), rows clipped to
+     *  first max_samples of them when the task caps samples (DP; all of them weighed to max_samples
+     *  with cap_by_weight), rows clipped to
      *  feature_clip_norm when it is > 0. */
     public Fed3RAccumulator accumulate(Fed3RStatsParams task) throws TaskDeclined {
         if (Boolean.TRUE.equals(task.centered)) throw new TaskDeclined("a centered " + KIND + " task needs its feature_center tensor");
@@ -94,7 +95,9 @@ public final class Fed3RStatsTask implements TaskHandler {
         if (start == data.size()) throw new TaskDeclined("no new samples");
         double clipNorm = task.featureClipNorm == null ? 0.0 : task.featureClipNorm;
         int end = data.size();
-        if (task.sampleCap() != null)     // DP caps the samples per device: the first max_samples, a choice blind to the data
+        // DP caps the samples per device: the first max_samples, a choice blind to the data (or, with
+        // cap_by_weight, every sample weighed after the loop: the same bound, none of the data left out)
+        if (task.sampleCap() != null && !task.weighsSamples())
             end = (int) Math.min(end, start + task.sampleCap());
         for (int i = start; i < data.size(); i++)
             if (data.label(i) < 0 || data.label(i) >= numClasses)
@@ -124,6 +127,7 @@ public final class Fed3RStatsTask implements TaskHandler {
                 }
             }
         }
+        if (task.weighsSamples()) acc.weigh(task.sampleCap());
         refused = windows.record(start, end, data.size());      // written down before the answer goes out
         if (refused != null) throw new TaskDeclined(refused);
         return acc;
