@@ -289,7 +289,7 @@ def test_a_serving_service_retries_an_end_it_cannot_commit_after_growing_waits(b
     serve_with_store(broker, tmp_path / "out", store, timeout=60)        # every device's sums stored
     assert store.job("dp-end")["state"] == "running"
     tries = []
-    monkeypatch.setattr(Store, "replace_checkpoint_state", lambda *a, **k: (tries.append(time.monotonic()), disk_error())[1])
+    monkeypatch.setattr(Store, "replace_checkpoint_state", lambda *a, **k: (tries.append(time.monotonic()), disk_error(*a, **k))[1])
     svc = AggregatorService(None, BrokerConfig.from_url(broker.url), tmp_path / "out",
                             ServiceSettings(evaluate_every_contribution=False, keep_serving=True, tick_s=0.05),
                             enrolled=set(IDS), store=store)

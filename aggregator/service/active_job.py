@@ -95,6 +95,7 @@ class ActiveJob:
     applied: AppliedContributions = field(default_factory=AppliedContributions)   # what the live job summed, in order
     uncommitted: str | None = None      # what the live job holds that its commit failed to store: publish nothing
     close_failures: int = 0             # round closes whose commit failed in a row (kept across rebuilds)
+    end_failures: int = 0               # tries of its end that failed in a row before this one (the service's count)
 
     @property
     def job_id(self) -> str:

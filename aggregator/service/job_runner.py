@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +29,7 @@ from aggregator.storage.round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX,
 from aggregator.service.active_job import ActiveJob
 from aggregator.service.canonical import hand_round_sum, reported_job
 from aggregator.service.crash_points import CrashPoints
+from aggregator.service.end_failures import end_failure
 from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_outcome import judged_state
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
@@ -45,16 +45,6 @@ from aggregator.storage.schema import JobState
 log = logging.getLogger("fedfleet.aggregator")
 
 CLOSE_ATTEMPTS = 3      # a round's close whose commit fails this many times in a row stops the job
-
-# What makes a job's end (JobRunner.finish) fail that a later try can get past: the job stays running
-# in the store and is taken up again after a growing wait (AggregatorService._finish_job,
-# service/backoff.py). These are the environment's failures, not the job's: OSError (a disk, a
-# blob file, the store's own files: what the retry tests inject, tests/test_dp_release_at_end.py),
-# MemoryError (no room for the end's draw: NoisyFed3R.release_held keeps the held sums for the next
-# try), sqlite3.OperationalError (the store locked or its disk failing while the re-sum reads it).
-# Anything else (a ValueError, an ArithmeticError, a bug) comes from the job's own state and would
-# fail the same way on every try: the job ends failed instead, once.
-TRANSIENT_END_ERRORS = (OSError, MemoryError, sqlite3.OperationalError)
 
 
 @dataclass(frozen=True)
@@ -101,6 +91,7 @@ class JobRunner:
         self.on_fatal, self.job_ends = s.on_fatal, s.job_ends
         self.send, self.publish_status_body, self.bytes_sent = s.send, s.publish_status, s.bytes_sent
         self.eval_set, self.checkpoints = s.eval_set, s.settings.checkpoints
+        self.end_attempts = s.settings.end_attempts     # tries of an end that fails for now (service/end_failures.py)
         # a device offline for longer than this (or revoked) no longer keeps the job from finishing
         self.offline_grace_s = s.settings.offline_grace_s
         # A job whose model moves only at round close (FedAvg) would evaluate the same model after
@@ -485,12 +476,13 @@ class JobRunner:
 
     def finish(self) -> dict:
         """Write the job's outputs; with a store, commit its final state first (once). A job whose
-        end raises (its re-sum, finalize, final evaluation or model) is taken up again later when
-        the failure is transient (``TRANSIENT_END_ERRORS``) and the job is stored, else ends failed, saying why: as a
-        round close that raises, it stops its job, never the service (no crash loop)."""
+        end raises (its re-sum, finalize, its finalized state's commit, final evaluation or model) is
+        taken up again later while the failure may mend (``service/end_failures.py``), else ends
+        failed, saying why (a cancelled one stays cancelled): as a round close that raises, it stops
+        its job, never the service (no crash loop)."""
         a = self.a
-        # a write failed (a result's, a round's close, the finalized state): the job stays running in
-        # the store, which resumes it; nothing made from the uncommitted state leaves the process
+        # a write failed (a result's, a round's close): the job stays running in the store, which
+        # resumes it; nothing made from the uncommitted state leaves the process
         if not self.flush_writes() or a.uncommitted is not None:
             return {}
         state = a.final_state or JobState.STOPPED
@@ -504,22 +496,26 @@ class JobRunner:
         elif state == JobState.FAILED and row is not None:      # restored: it failed before, for this reason
             failure = (row["summary"] or {}).get("error")
         self.crash("job_finishing")
-        # without a store nothing takes the job up again: a failure that a later try would get past is final
-        retried = TRANSIENT_END_ERRORS if self.store is not None else ()
         try:
             end = self._job_end(state, row)
-        except retried:
-            log.exception("job %s: its end failed; it is tried again", a.job_id)
-            a.uncommitted = "the job's end"
-            return {}
-        except Exception as exc:        # fails the same way on every try: the job ends, saying why
-            failure = failure or f"the job cannot end: {type(exc).__name__}: {exc}"
-            log.error("job %s failed: %s", a.job_id, failure, exc_info=exc)
-            if state in FINAL_JOB_STATES:       # an interrupted or stopped job keeps its state (it says why)
+        except Exception as exc:
+            # Nothing takes the job up again without a store; nor a cancelled one: its cancel lives in
+            # this process only (CancelAfterRound stores nothing), so the store would resume it running.
+            cancelled = state == JobState.CANCELLED
+            why = end_failure(exc, retried=self.store is not None and not cancelled,
+                              failed_before=a.end_failures, attempts=self.end_attempts)
+            if why is None:
+                log.exception("job %s: its end failed; it is tried again", a.job_id)
+                a.uncommitted = "the job's end"
+                return {}
+            failure = failure or why
+            if cancelled:       # the operator's cancel stands; its record says what its end lacks
+                log.error("job %s cancelled, its end failed: %s", a.job_id, failure, exc_info=exc)
+            else:
+                log.error("job %s failed: %s", a.job_id, failure, exc_info=exc)
+            if state in (JobState.DONE, JobState.FAILED):   # an interrupted or stopped job keeps its state (it says why)
                 state = a.final_state = JobState.FAILED
             end = self._record_only()
-        if end is None:                 # its finalized state could not be committed
-            return {}
         final_eval = end.evaluation
         summary = reporting.job_summary(a, state, final_eval, self.bytes_sent())
         if failure:
@@ -540,7 +536,7 @@ class JobRunner:
         self.publish_status(state)
         return summary
 
-    def _job_end(self, state: str, row: dict | None) -> JobEnd | None:
+    def _job_end(self, state: str, row: dict | None) -> JobEnd:
         if state == JobState.FAILED and row is not None and row["state"] == JobState.FAILED:
             # restored after it failed: its record is committed; its end (what may have failed) is not made again
             return self._record_only()
@@ -550,10 +546,10 @@ class JobRunner:
         """A failed job's end: its last evaluation; no job, no model (nothing made from its state is published)."""
         return JobEnd(None, self.a.history[-1] if self.a.history else {}, None)
 
-    def _final_model(self, state: str, commit: bool) -> JobEnd | None:
+    def _final_model(self, state: str, commit: bool) -> JobEnd:
         """The job's end as reported: the job re-summed canonically, finalized (that committed first),
-        its last evaluation, and (``commit``) the model to store; None when the finalized state could
-        not be committed (the job stays running in the store; nothing made from it leaves)."""
+        its last evaluation, and (``commit``) the model to store. Whatever raises here leaves nothing
+        made from the job's state (finish: tried again, or the job's record only)."""
         a = self.a
         reports_model = state in FINAL_JOB_STATES and state != JobState.FAILED    # a failed job learnt nothing
         final_job = a.job
@@ -566,12 +562,8 @@ class JobRunner:
                 # durable before anything made from it leaves this process: a restart (a crash from
                 # here on, or the service run again) restores the finalized job rather than
                 # finalizing it again (DP's release at the end: fresh noise on the same sums)
-                try:
-                    self.store.replace_checkpoint_state(a.job_id, final_job.state_dict(), final_job.contributed)
-                except Exception:       # the draw stays in this process; the next start draws its own
-                    log.exception("job %s: its finalized state could not be committed", a.job_id)
-                    a.uncommitted = "the job's finalized state"
-                    return None
+                # (a commit that raises: the draw stays in this process; the next try draws its own)
+                self.store.replace_checkpoint_state(a.job_id, final_job.state_dict(), final_job.contributed)
                 self.crash("job_finalized")
         if changed or not a.history or a.history[-1]["contributions"] != a.job.contributions:
             self._record_eval(final_job)            # the last evaluation is the reported model's

@@ -206,6 +206,7 @@ class AggregatorService(OperatorActions):
             self.shards.set_job(job, kind)
             job = self.shards.coordinator_job(job, kind)
         a = ActiveJob(job, kind, Path(out_dir))
+        a.end_failures = self.held_back.failures(a.job_id)      # its end's earlier tries count (service/end_failures.py)
         a.out_dir.mkdir(parents=True, exist_ok=True)
         if self.store is not None:
             open_stored(a, self.store, self.settings.checkpoints, self.crash)
@@ -445,6 +446,8 @@ class AggregatorService(OperatorActions):
         summary, job_id = self.runner.finish(), self.active.job_id
         if self.active.uncommitted is not None:     # the store resumes the job: after a wait (service/backoff.py)
             log.warning("job %s: resumed in %.0f s", job_id, self.held_back.failed(job_id, time.monotonic()))
+        else:                                       # ended (or interrupted): its next end counts from nothing
+            self.held_back.succeeded(job_id)
         self.last_finished, self.active, self.runner = self.active, None, None
         self._update_live(force=True)
         return summary

@@ -59,6 +59,10 @@ class ServiceSettings:
     # how long ``--shards`` waits for every shard to start and connect to the broker before the
     # service fails its start: two Ray actors took over 120 s on a loaded 2-core machine
     shard_start_timeout_s: float = limited(300.0, Range(1, 3600))
+    # tries of a job's end that fails for now (a disk's error, the memory's) before the job fails saying
+    # so (aggregator/service/end_failures.py): with the growing waits between them (1 s doubling to
+    # 60 s, service/backoff.py) the default gives an operator about 25 minutes to mend what failed
+    end_attempts: int = limited(30, Range(1, 10_000))
 
     def __post_init__(self):
         validate_config("aggregator service", ServiceSettings, dataclasses.asdict(self))

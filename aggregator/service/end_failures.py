@@ -1,0 +1,54 @@
+"""What becomes of a job whose end (``JobRunner.finish``: its re-sum, finalize, final evaluation or
+model) raises: tried again later, or ended now saying why.
+
+A later try can get past the environment's failures (``TRANSIENT_END_ERRORS``); the job then stays
+running in the store and the service takes it up again after a growing wait (``service/backoff.py``,
+``AggregatorService._finish_job``). Not every one of them is worth a wait, and none for ever:
+
+* an OSError naming a path that is gone, of the wrong kind or refused to this process (a blob file
+  deleted, a folder where a file was, no permission) fails the same way on every try: the job ends
+  now, as on a deterministic exception. A disk that is full (ENOSPC, EDQUOT), failing (EIO), read-only
+  or busy, and an OSError without an errno (what the retry tests inject) may mend: tried again;
+* an SQLite error of the statement itself (SQLITE_ERROR: no such table or column) is the store's
+  schema, not its state: permanent. Locked, busy, full or failing (every other code) may mend;
+* a transient failure ends the job once it has failed ``end_attempts`` times in a row
+  (``ServiceSettings.end_attempts``), saying so and naming the last error: before, a disk that never
+  mended had the service rebuild and end the job once a minute for ever.
+"""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+
+TRANSIENT_END_ERRORS = (OSError, MemoryError, sqlite3.OperationalError)
+
+# The path itself is what fails: gone, not a folder where one is needed, a folder where a file is,
+# refused to this process, too long, a loop of links. Python raises the subclasses for these errnos,
+# but code may raise a plain OSError carrying one (or a subclass carrying none): both are asked.
+PERMANENT_OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+PERMANENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+                              errno.ENAMETOOLONG, errno.ELOOP})
+SQLITE_ERROR = 1        # SQLite's primary result code of a statement it cannot run (its extended codes add high bits)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a later try of the job's end may get past ``exc``."""
+    if isinstance(exc, PERMANENT_OS_ERRORS) or (isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)       # absent from one raised by hand: taken as the store's state
+    if isinstance(exc, sqlite3.OperationalError) and code is not None and code & 0xFF == SQLITE_ERROR:
+        return False
+    return isinstance(exc, TRANSIENT_END_ERRORS)
+
+
+def end_failure(exc: BaseException, *, retried: bool, failed_before: int, attempts: int) -> str | None:
+    """Why the job's end fails for good, or None when it is tried again. ``retried``: something takes
+    the job up again (it is stored, and not cancelled); ``failed_before``: its end's failures in a row
+    before this one; ``attempts``: how many tries a transient failure gets."""
+    why = f"{type(exc).__name__}: {exc}"
+    if not retried or not is_transient(exc):
+        return f"the job cannot end: {why}"
+    if failed_before + 1 >= attempts:
+        return f"the job could not end after {failed_before + 1} attempts: {why}"
+    return None

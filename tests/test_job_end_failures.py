@@ -1,0 +1,170 @@
+"""A job whose end raises (``aggregator/service/end_failures.py``, ``JobRunner.finish``), against a
+real SQLite store, the failure injected through the job's own end (its release, its finalize):
+
+* which errors may mend, from the real errors a missing, misplaced or looping path and a store
+  raise: a path that is gone or of the wrong kind, and an SQL statement the store cannot run, fail
+  the same way on every try; a full disk, a failing one and a locked store may mend;
+* a stored job whose end fails for good that way ends failed at once, saying why: it used to stay
+  running in the store and be tried again, once a minute, for ever;
+* one whose end keeps failing for now ends failed after ``end_attempts`` tries in a row, with the
+  growing waits between them, saying so with the last error: it used to be tried for ever;
+* a job the operator cancelled whose end raises stays cancelled, the error in its record: it used
+  to be recorded failed (a deterministic error) or left running for a retry that would resume it
+  running (a disk's: the cancel is held by the serving process only)."""
+import errno
+import json
+import os
+import sqlite3
+import threading
+import time
+
+import pytest
+from test_dp_over_mqtt import capping_device
+from test_dp_release_at_end import END_JOB, IDS, end_that_raises, serve_with_store
+from test_job_end_without_store import one_result_runner
+
+from aggregator.service.end_failures import is_transient
+from aggregator.service.job_lifecycle import control_job, create_job
+from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
+from aggregator.storage.schema import JobState
+from aggregator.storage.store import Store
+from edge_client.agent import DeviceAgent
+from protocols.mqtt_link import BrokerConfig
+
+
+def raised(action) -> BaseException:
+    try:
+        action()
+    except BaseException as exc:
+        return exc
+    raise AssertionError(f"{action} did not raise")
+
+
+def missing_blob(tmp_path) -> BaseException:
+    return raised(lambda: open(tmp_path / "held-sums.npy", "rb"))
+
+
+def sql_the_store_cannot_run(tmp_path) -> BaseException:
+    return raised(lambda: sqlite3.connect(tmp_path / "old.db").execute("SELECT sums FROM held_rounds"))
+
+
+def locked_store(tmp_path) -> BaseException:
+    holder = sqlite3.connect(tmp_path / "locked.db", isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        return raised(lambda: sqlite3.connect(tmp_path / "locked.db", timeout=0).execute("SELECT * FROM t"))
+    finally:
+        holder.rollback()
+
+
+def folder_as_file(tmp_path) -> BaseException:
+    return raised(lambda: open(tmp_path, "rb"))
+
+
+def below_a_file(tmp_path) -> BaseException:
+    (tmp_path / "blob").write_bytes(b"")
+    return raised(lambda: open(tmp_path / "blob" / "part", "rb"))
+
+
+def link_loop(tmp_path) -> BaseException:
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    return raised(lambda: open(tmp_path / "loop", "rb"))
+
+
+def name_too_long(tmp_path) -> BaseException:
+    return raised(lambda: open(tmp_path / ("n" * 300), "rb"))
+
+
+def os_error(code: int):
+    return lambda tmp_path: OSError(code, os.strerror(code))
+
+
+@pytest.mark.parametrize("make_error, may_mend", [
+    (missing_blob, False), (folder_as_file, False), (below_a_file, False), (link_loop, False),
+    (name_too_long, False), (sql_the_store_cannot_run, False),
+    (lambda tmp_path: PermissionError(errno.EACCES, os.strerror(errno.EACCES), "held-sums.npy"), False),
+    (lambda tmp_path: ValueError("the held sums are not finite"), False),
+    (os_error(errno.ENOSPC), True), (os_error(errno.EDQUOT), True), (os_error(errno.EIO), True),
+    (os_error(errno.EROFS), True), (lambda tmp_path: OSError("disk I/O error"), True),
+    (lambda tmp_path: MemoryError("no room for the noise"), True), (locked_store, True),
+])
+def test_what_may_mend_is_tried_again_and_what_cannot_is_not(tmp_path, make_error, may_mend):
+    error = make_error(tmp_path)
+    assert is_transient(error) is may_mend, repr(error)
+
+
+@pytest.mark.parametrize("make_error", [missing_blob, sql_the_store_cannot_run])
+def test_a_stored_job_whose_end_fails_for_good_fails_at_once(broker, tmp_path, monkeypatch, make_error):
+    error = make_error(tmp_path)
+    store = Store(tmp_path / "state.db")
+    tries = end_that_raises(monkeypatch, error)
+    result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    reason = f"the job cannot end: {type(error).__name__}: {error}"
+    assert "raised" not in result and len(tries) == 1
+    row = store.job("dp-end")
+    assert row["state"] == "failed" and row["summary"]["error"] == reason and store.models("dp-end") == []
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["state"] == "failed" and saved["error"] == reason
+    assert not (tmp_path / "out" / "model.npz").exists()
+
+
+def test_an_end_that_keeps_failing_for_now_fails_its_job_after_its_attempts(broker, tmp_path, monkeypatch):
+    """Served as the admin API serves (``keep_serving``): three tries, 1 s and 2 s apart, then failed."""
+    store = Store(tmp_path / "state.db")
+    tries = end_that_raises(monkeypatch, OSError("disk I/O error"))
+    create_job(store, "fed3r", END_JOB)
+    control_job(store, None, "dp-end", "start")
+    out = tmp_path / "out"
+    svc = AggregatorService(None, BrokerConfig.from_url(broker.url), out,
+                            ServiceSettings(evaluate_every_contribution=False, keep_serving=True, tick_s=0.05,
+                                            end_attempts=3),
+                            enrolled=set(IDS), store=store)
+    thread = threading.Thread(target=svc.run, kwargs={"timeout_s": 90}, daemon=True)
+    thread.start()
+    agents = [DeviceAgent(d, BrokerConfig.from_url(broker.url),
+                          {"fed3r.stats": capping_device(i, out / "devices")}).start() for i, d in enumerate(IDS)]
+    deadline = time.monotonic() + 60
+    # the old code tried on: a fourth try (at ~7 s) ends the wait
+    while store.job("dp-end")["state"] != "failed" and len(tries) <= 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    svc.stop()
+    thread.join(30)
+    for agent in agents:
+        agent.stop()
+    assert len(tries) == 3, [round(t - tries[0], 2) for t in tries]
+    assert all(b - a >= 0.9 * 2 ** i for i, (a, b) in enumerate(zip(tries, tries[1:])))     # the growing waits
+    reason = "the job could not end after 3 attempts: OSError: disk I/O error"
+    row = store.job("dp-end")
+    assert row["state"] == "failed" and row["summary"]["error"] == reason and store.models("dp-end") == []
+    saved = json.loads((out / "dp-end" / "results.json").read_text())
+    assert saved["state"] == "failed" and saved["error"] == reason
+    assert not (out / "dp-end" / "model.npz").exists()
+
+
+@pytest.mark.parametrize("error", [ValueError("the held sums are not finite"), OSError("disk I/O error")])
+def test_a_cancelled_job_whose_end_raises_stays_cancelled_with_the_error_in_its_record(tmp_path, monkeypatch, error):
+    store = Store(tmp_path / "state.db")
+    runner = one_result_runner(tmp_path, store)
+    a = runner.a
+    control_job(store, a, a.job_id, "cancel")        # the operator's cancel of the served job
+    runner.tick(time.monotonic())                   # its open round closes,
+    runner.tick(time.monotonic())                   # then the job is over
+    assert a.final_state == JobState.CANCELLED and store.job(a.job_id)["state"] == JobState.RUNNING
+
+    def finalize(self):
+        raise error
+
+    monkeypatch.setattr(type(a.job), "finalize", finalize)
+    round_models = store.models(a.job_id)          # its closed round's
+    summary = runner.finish()
+    reason = f"the job cannot end: {type(error).__name__}: {error}"
+    assert a.uncommitted is None            # not left for a retry that would resume it running
+    assert summary["state"] == JobState.CANCELLED and summary["error"] == reason
+    row = store.job(a.job_id)
+    assert row["state"] == JobState.CANCELLED and row["summary"]["error"] == reason
+    assert store.models(a.job_id) == round_models and not any(m["final"] for m in round_models)   # no final model
+    saved = json.loads((a.out_dir / "results.json").read_text())
+    assert saved["state"] == JobState.CANCELLED and saved["error"] == reason
+    assert not (a.out_dir / "model.npz").exists()
