@@ -192,19 +192,34 @@ public final class MqttAgent implements AutoCloseable {
     // ---------------- the agent thread ----------------
     private void run() {
         while (running) {
+            byte[] payload;
             try {
-                byte[] payload = inbox.poll((long) (o.tickS * 1000));
-                if (payload != null) handleRaw(payload);
-                execute(session.onTick(monotonic()));
-                reader.expire(monotonic());
-                secagg.expire(System.currentTimeMillis() / 1000.0);     // rounds end at a task's deadline: wall clock
+                payload = inbox.poll((long) (o.tickS * 1000));
             } catch (InterruptedException e) {
                 return;
-            } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {
-                // one bad message or handler bug never stops the device: uncaught, an Error ended this
-                // thread and left a device that announced itself online answering nothing, for ever
-                LOG.log(Level.SEVERE, deviceId + ": unexpected error", e);
             }
+            turn(payload);
+        }
+    }
+
+    /** One turn of the agent's thread: the message taken (null: none), the session's tick, then what
+     *  ends on the clock, each step guarded on its own: one that throws (a bad message, a handler's
+     *  bug) skips no other, above all not the expiry, which erases the secrets of SecAgg rounds past
+     *  their deadline (in one try, a handler that threw on every turn kept them until it stopped). */
+    void turn(byte[] payload) {
+        if (payload != null) guarded(() -> handleRaw(payload));
+        guarded(() -> execute(session.onTick(monotonic())));
+        guarded(() -> reader.expire(monotonic()));
+        guarded(() -> secagg.expire(System.currentTimeMillis() / 1000.0));     // rounds end at a task's deadline: wall clock
+    }
+
+    private void guarded(Runnable step) {
+        try {
+            step.run();
+        } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {
+            // one bad message or handler bug never stops the device: uncaught, an Error ended this
+            // thread and left a device that announced itself online answering nothing, for ever
+            LOG.log(Level.SEVERE, deviceId + ": unexpected error", e);
         }
     }
 
