@@ -1,6 +1,12 @@
 """The Java device erases a secure round's secrets as soon as the round is over for it (a review's
-finding, failing before):
+two findings, each failing before):
 
+* a round whose answer cannot be sent (the device's outbox refuses it before anything is published:
+  over the envelope's limits, more chunks than a reassembler takes) ends at once, as the Python
+  device's ``UnsendableMessage`` path (edge_client/tasks/secure_update.py): the client aborted, no
+  secret held, the kind's round-end hook told "not finished" (secure Scaffold then puts its c_k
+  back), and the aggregator sums the others without it. It used to be kept, secrets and all, until
+  its task's deadline;
 * MqttAgent's turn ends the rounds past their deadline whatever the message's handling did: a
   handler that threw skipped that turn's expiry (tests/java_device/AgentTurns.java).
 """
@@ -12,16 +18,44 @@ import os
 import subprocess
 import time
 
+import numpy as np
 import pytest
 
 import java_build
-from java_secagg_bridge import AGGREGATOR, JAVA
+from java_secagg_bridge import AGGREGATOR, JAVA, setup_round
 from protocols import messages as M
 from protocols.envelope import encode
 from protocols.payloads.secagg import to_envelope
+from protocols.secagg import ClientState
+from protocols.secagg.driver import plain_fixed_point_sum, run_round
+from protocols.secagg.events import AggregateReady
 from protocols.secagg.messages import RoundAborted
 
 pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+# payloads of at most 16 bytes: a reassembler takes 4,096 chunks, 64 KiB, so the keys and the shares
+# (a few KiB) can be sent and the masked input of 10,000 64-bit words cannot
+CHUNK, LONG = 16, 10_000
+
+
+def test_java_device_whose_masked_input_cannot_be_sent_leaves_the_round_at_once(tmp_path):
+    """Its keys and shares go out in chunks; its masked input cannot: nothing of it is sent, the
+    round ends on the device then and there, and the others' sum is exact."""
+    config, identities, inputs, java = setup_round(tmp_path, "complete", m=LONG, chunk=CHUNK)
+    try:
+        run = run_round(config, AGGREGATOR, identities, inputs, record_server_view=True,
+                        client_factory=lambda d, i: java if d == JAVA else None)
+        after = java.tick(0.0)              # the bridge's clock before any end: what is still held
+    finally:
+        java.close()
+    sent = [f.to_message().TYPE for f in run.server_view if f.to_message().sender == JAVA]
+    assert sent == ["secagg.advertise_keys", "secagg.encrypted_shares"]      # sent in chunks; no masked input
+    assert java.state is ClientState.ABORTED and after == (False, 0)
+    assert java.round_ends == [False]
+    survivors = tuple(d for d in config.members if d != JAVA)
+    assert isinstance(run.outcome, AggregateReady) and run.outcome.survivors == survivors
+    assert np.array_equal(run.outcome.sum_words, plain_fixed_point_sum(config, [inputs[d] for d in survivors]))
+
 
 GRACE_S = 60.0          # DeviceSession's deadline grace in MqttAgent: a round ends at its deadline plus it
 

@@ -14,6 +14,10 @@
 // sessions' clock is the bridge's, 0 until a "CLOCK <unix s>" line sets it and ticks the sessions
 // (SecAggSessions.expire, as MqttAgent's tick), answered "HELD <secrets held> <rounds open>" and
 // the STATE line.
+// "chunk=<bytes>": each message goes through the sessions as on a device (SecAggSessions.onMessage, the
+// replies encoded by the device's OutboxParts with payloads of at most that many bytes: a "REPLY" line
+// per payload, chunks included), and the rounds are opened with a RoundEnd: "ENDED <summed>" lines
+// before the STATE line say what it was told.
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.file.*;
@@ -34,17 +38,21 @@ public final class SecAggBridge {
         boolean dp = options.contains("dp");
         SecureInputLedger ledger = null;
         Double ends = null;
+        OutboxParts outbox = null;
         for (String o : options) {
             if (o.startsWith("ledger=")) ledger = new SecureInputLedger(new File(o.substring(7), SecureInputLedger.NAME));
             if (o.startsWith("ends=")) ends = Double.parseDouble(o.substring(5));
+            if (o.startsWith("chunk=")) outbox = new OutboxParts(a[0], Integer.parseInt(o.substring(6)), id);
         }
+        List<Boolean> ended = new ArrayList<>();
+        SecAggSessions.RoundEnd roundEnd = outbox == null ? null : ended::add;
         double[] now = {0.0};
         ReleaseGuard guard = null;
         String job = a[3], group = a[5];
         long round = Long.parseLong(a[4]);
         SecAggSessions sessions = new SecAggSessions(a[0], 4, () -> now[0]);
         if (ledger != null) guard = ledger.release(SecureInputLedger.vectorKey(SecureFed3RTask.KIND, input));
-        sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends);
+        sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends, roundEnd);
         ClientSecAgg client = sessions.session(job, round, group);
         BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
         PrintStream out = System.out;
@@ -57,22 +65,26 @@ public final class SecAggBridge {
                     group = words[3];
                 }
                 if (ledger != null) guard = ledger.release(SecureInputLedger.vectorKey(SecureFed3RTask.KIND, input));
-                sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends);
+                sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends, roundEnd);
                 client = sessions.session(job, round, group);
-                out.println("STATE " + client.state());
-                out.flush();
+                state(out, ended, client);
                 continue;
             }
             if (words[0].equals("CLOCK")) {
                 now[0] = Double.parseDouble(words[1]);
                 sessions.expire();
                 out.println("HELD " + client.holdsSecrets() + " " + sessions.open());
-                out.println("STATE " + client.state());
-                out.flush();
+                state(out, ended, client);
                 continue;
             }
             try {
                 Envelope.Message env = Envelope.decode(Base64.getDecoder().decode(line.trim()), aggregatorKey, Envelope.MAX_MESSAGE_BYTES);
+                if (outbox != null) {
+                    for (List<byte[]> parts : sessions.onMessage(env, outbox::secagg))
+                        for (byte[] part : parts) out.println("REPLY " + Base64.getEncoder().encodeToString(part));
+                    state(out, ended, client);
+                    continue;
+                }
                 for (SecAggMessage r : client.handle(SecAggMessage.fromEnvelope(env))) {
                     Map<String, Object> h = Messages.header(SecAggMessage.ENVELOPE_TYPE, a[0], r.envelopeBody(), Messages.newId(), Messages.now());
                     out.println("REPLY " + Base64.getEncoder().encodeToString(Envelope.encode(h, r.tensors(), id)));
@@ -84,8 +96,15 @@ public final class SecAggBridge {
             } catch (SecAggException | Envelope.EnvelopeError e) {
                 out.println("ERROR SecAggError " + e.getMessage());
             }
-            out.println("STATE " + client.state());
-            out.flush();
+            state(out, ended, client);
         }
+    }
+
+    /** The round ends told since the last answer, then the client's state. */
+    private static void state(PrintStream out, List<Boolean> ended, ClientSecAgg client) {
+        for (boolean summed : ended) out.println("ENDED " + summed);
+        ended.clear();
+        out.println("STATE " + client.state());
+        out.flush();
     }
 }

@@ -71,7 +71,7 @@ public final class MqttAgent implements AutoCloseable {
     private final DeviceSession session;
     private final SessionMemoryFile memoryFile;     // null without a state store: the replay guard lives in the process only
     private final InboxReader reader;
-    private final Chunker chunker;
+    private final OutboxParts outbox;
     private final CallbackConnection connection;
     private final InboxQueue<byte[]> inbox;
     private volatile boolean running;
@@ -94,7 +94,7 @@ public final class MqttAgent implements AutoCloseable {
         this.session = new DeviceSession(options.retryAfterS, 5, 4);
         this.memoryFile = options.state == null ? null : new SessionMemoryFile(new File(options.state.root(), SessionMemoryFile.NAME), LOG);
         if (memoryFile != null) memoryFile.loadInto(session);
-        this.chunker = new Chunker(options.chunkSize, options.signer);
+        this.outbox = new OutboxParts(deviceId, options.chunkSize, options.signer);
         this.inbox = new InboxQueue<>("agent-" + deviceId, options.maxQueuedTopicBytes, options.maxQueuedBytes);
         this.secagg = new SecAggSessions(deviceId, 4);
         this.reader = reader(options);
@@ -244,10 +244,11 @@ public final class MqttAgent implements AutoCloseable {
             else
                 execute(session.onTask(task, env.tensors, System.currentTimeMillis() / 1000.0));
         } else if (SecAggMessage.ENVELOPE_TYPE.equals(env.type())) {
-            for (SecAggMessage reply : secagg.onMessage(env)) {
+            // every reply encoded before any is published: a round whose answer cannot be sent ends
+            // here at once (SecAggSessions); a publish that fails leaves the round to its deadline
+            for (List<byte[]> parts : secagg.onMessage(env, outbox::secagg)) {
                 try {
-                    Map<String, Object> h = Messages.header(SecAggMessage.ENVELOPE_TYPE, deviceId, reply.envelopeBody(), Messages.newId(), Messages.now());
-                    publishMessage(Envelope.encode(h, reply.tensors(), o.signer), (String) h.get("id"));
+                    publishParts(parts);
                 } catch (Exception e) {
                     LOG.warning(deviceId + ": could not send a secagg reply: " + e);
                 }
@@ -396,13 +397,13 @@ public final class MqttAgent implements AutoCloseable {
         execute(session.onWorkStopped(ref, true));
     }
 
-    /** Encoded message to the outbox, chunked above the chunk size (fresh chunk ids, same parent). */
+    /** Encoded message to the outbox, chunked above the chunk size (OutboxParts). */
     private void publishMessage(byte[] message, String id) throws Exception {
-        Chunker.Stamps stamps = new Chunker.Stamps() {
-            @Override public String id(int index) { return Messages.newId(); }
-            @Override public double ts() { return Messages.now(); }
-        };
-        for (byte[] part : chunker.split(message, id, deviceId, stamps)) publish(o.topics.outbox(deviceId), part, false, o.publishTimeoutS);
+        publishParts(outbox.of(message, id));
+    }
+
+    private void publishParts(List<byte[]> parts) throws Exception {
+        for (byte[] part : parts) publish(o.topics.outbox(deviceId), part, false, o.publishTimeoutS);
     }
 
     /** QoS 1 publish, waiting for the broker's PUBACK (the client resends across reconnects). */

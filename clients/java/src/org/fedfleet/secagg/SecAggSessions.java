@@ -17,6 +17,9 @@
 // a time: they can no longer sum this device's input). A round opened with a RoundEnd tells it,
 // once, whether the round FINISHED here (the device answered the unmask request as a survivor: its
 // input is in the unmasked sum) or ended any other way (SecureStatefulHeadTask: Scaffold's c_k).
+// A round whose answer cannot be sent (its encoder's EnvelopeError: over the envelope's limits, more
+// chunks than a reassembler takes) ends at once, as edge_client/tasks/secure_update.py's
+// UnsendableMessage: the device sits it out (a dropout) and keeps no secret of it until its deadline.
 package org.fedfleet.secagg;
 
 import java.util.ArrayList;
@@ -44,6 +47,12 @@ public final class SecAggSessions {
      *  ended any other way (aborted, declared dropped, past its deadline, pushed out: false). */
     public interface RoundEnd {
         void ended(boolean summed);
+    }
+
+    /** A reply as what travels (MqttAgent: OutboxParts.secagg, its signed envelope's MQTT payloads);
+     *  EnvelopeError where it cannot be sent. */
+    public interface ReplyEncoder<T> {
+        T encode(SecAggMessage reply) throws Envelope.EnvelopeError;
     }
 
     public SecAggSessions(String deviceId, int maxSessions) {
@@ -133,6 +142,13 @@ public final class SecAggSessions {
 
     /** The replies to one `secagg` envelope; a message that fails its checks is logged and changes nothing. */
     public List<SecAggMessage> onMessage(Envelope.Message env) {
+        return onMessage(env, reply -> reply);
+    }
+
+    /** The replies to one `secagg` envelope, each encoded by encoder, all before any is sent: where one
+     *  cannot be (an EnvelopeError), none is, and the round ends here at once (its secrets erased, its
+     *  RoundEnd told), one warning; a message that fails its checks is logged and changes nothing. */
+    public <T> List<T> onMessage(Envelope.Message env, ReplyEncoder<T> encoder) {
         SecAggMessage m;
         try {
             m = SecAggMessage.fromEnvelope(env);
@@ -150,12 +166,19 @@ public final class SecAggSessions {
             return Collections.emptyList();
         }
         try {
-            return client.handle(m);
+            List<T> out = new ArrayList<>();
+            for (SecAggMessage reply : client.handle(m)) out.add(encoder.encode(reply));
+            return out;
         } catch (SecAggException.ReleaseRefused e) {       // the round is aborted: the input does not leave
             LOG.warning(deviceId + ": leaves secure round " + m.header.get("job_id") + "/" + round + ": " + e.getMessage());
             return Collections.emptyList();
         } catch (SecAggException e) {
             LOG.warning(deviceId + ": secagg error: " + e.getMessage());
+            return Collections.emptyList();
+        } catch (Envelope.EnvelopeError e) {    // its answer cannot travel: sit the round out (a dropout)
+            end(key, "its answer cannot be sent");
+            LOG.warning(deviceId + ": leaves secure round " + m.header.get("job_id") + "/" + round
+                        + ": its answer cannot be sent: " + e.getMessage());
             return Collections.emptyList();
         } finally {
             if (client.done()) {
