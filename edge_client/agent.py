@@ -320,6 +320,8 @@ class DeviceAgent:
                                                           received_at=time.time(), sent_at=env.ts)))
         elif self._protocol(env.type, MessageHandler) is not None:
             for out in self.protocol_handlers[env.type].on_message(env):
+                # a decline among the answers: the device leaves a secure round its task opened
+                self.stats.tasks_declined += out.type == M.DECLINE
                 self.stats.bytes_up += self.link.publish_envelope(
                     self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size, signer=self.signer,
                     before_each=self.hooks.before_upload)
@@ -414,7 +416,7 @@ class DeviceAgent:
         t0 = time.perf_counter()
         try:
             # the work stops once the round is surely over: the arrival check's moment (work_deadline.py)
-            with working_until(act.deadline + self.session.deadline_grace_s):
+            with working_until(act.deadline + self.session.deadline_grace_s, task=act.ref):
                 if secure is not None:
                     outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
                 else:

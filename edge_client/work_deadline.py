@@ -13,7 +13,10 @@ is raised: the session's ``WorkStopped`` sends no result (the job's first such s
 once, saying the clock may be ahead) and the device is free for its next task.
 
 A context variable, not a parameter: the loops are the same code the benches and the server's
-simulations call outside any agent, where nothing is set and nothing is checked.
+simulations call outside any agent, where nothing is set and nothing is checked. The same context
+names the task under way (:func:`task_at_work`): a secure task's SecAgg session keeps it, so the
+device can decline that task when it leaves the round later, at the round's start
+(``edge_client/tasks/secure_update.py``); outside an agent there is none, and nothing is declined.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterable, Iterator, TypeVar
 
+from protocols.messages import TaskRef
+
 T = TypeVar("T")
 
 _UNTIL: ContextVar[float | None] = ContextVar("fedfleet_work_until", default=None)
+_TASK: ContextVar[TaskRef | None] = ContextVar("fedfleet_task_at_work", default=None)
 
 
 class PastDeadline(Exception):
@@ -33,12 +39,14 @@ class PastDeadline(Exception):
 
 
 @contextmanager
-def working_until(unix_s: float):
-    """Run the body's work until ``unix_s`` (the device's clock) at the latest."""
-    token = _UNTIL.set(float(unix_s))
+def working_until(unix_s: float, task: TaskRef | None = None):
+    """Run the body's work until ``unix_s`` (the device's clock) at the latest; ``task``: the task
+    it answers (None: none named)."""
+    token, named = _UNTIL.set(float(unix_s)), _TASK.set(task)
     try:
         yield
     finally:
+        _TASK.reset(named)
         _UNTIL.reset(token)
 
 
@@ -46,6 +54,11 @@ def round_over_at() -> float | None:
     """The moment (unix s, the device's clock) the work under way's round is surely over; None
     outside a task. A secure task's SecAgg session ends there (``edge_client/tasks/secure_update.py``)."""
     return _UNTIL.get()
+
+
+def task_at_work() -> TaskRef | None:
+    """The task the work under way answers; None outside a task (or one the caller did not name)."""
+    return _TASK.get()
 
 
 def seconds_left() -> float | None:

@@ -19,6 +19,15 @@ nothing, the live round kept (replacing it would drop the device out with fresh 
 of a later round of the same job ends the job's earlier rounds still open here: the aggregator
 runs a job's rounds one at a time, so those can no longer sum this device's input.
 
+A device whose input cannot enter its round as the aggregator's RoundStart configures it (encoded:
+a value non-finite or beyond the round's bound, another length; or a ring other than its input
+needs) leaves the round and declines the task that opened it (``INPUT_DOES_NOT_FIT``, fixed words:
+the encoder's own message may quote the input's largest value, which the aggregator must not learn).
+The aggregator turns the decline into ``MemberOffline``, so the first phase closes as soon as the
+other members have answered; a silent device held it to its budget, at least half the round
+(``aggregator/jobs/phase_clock.py``). Only an authenticated RoundStart gets that far, and the
+round is left: a replay of it finds no session and costs nothing.
+
 A task kind is told how each of its rounds ended for this device (:meth:`SecureUpdate.round_end`,
 called with whether the round FINISHED here: the device answered the unmask request as a
 survivor, so its masked input is in the unmasked sum); secure Scaffold keeps its new c_k only then.
@@ -33,19 +42,21 @@ from typing import Callable
 
 import numpy as np
 
+from protocols import messages as M
 from protocols.clipping import clip_update
 from protocols.envelope import Envelope
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
 from protocols.payloads.secure_tasks import SecureUpdateRound
 from protocols.payloads.task_params import DpRound, WireParams
-from protocols.secagg import ClientSecAgg, ClientState, ReleaseRefused, SecAggError, Timeout
+from protocols.secagg import (ClientSecAgg, ClientState, ConfigError, InputError, ReleaseRefused, SecAggError,
+                              Timeout)
 from protocols.secagg.distributed_dp import add_skellam_noise
 from protocols.secagg.fixedpoint import RING_BITS
 
 from ..agent import MessageHandler, SecureTaskHandler, TaskDeclined
 from ..secure_inputs import LOST_REASON, SecureInputLedger, input_key
-from ..work_deadline import round_over_at
+from ..work_deadline import round_over_at, task_at_work
 from .params import read_params
 
 # told once, when a secure round's session ends on the device, whether the round FINISHED there
@@ -53,6 +64,10 @@ from .params import read_params
 # or ended any other way (False: aborted, declared dropped, past its deadline, pushed out, its
 # answer unsendable): the aggregator's step then never counted this device's input
 RoundEnd = Callable[[bool], None]
+
+# the decline of a task whose input cannot enter its round (the Java device's SecAggSessions says the same)
+INPUT_DOES_NOT_FIT = ("this device's input does not fit the secure round's configuration (its length, its bound "
+                      "or its ring): it leaves the round")
 
 log = logging.getLogger("fedfleet.device.secagg")
 
@@ -80,6 +95,7 @@ class SecAggSessions(MessageHandler):
         self.sessions: dict[tuple[str, int, str], ClientSecAgg] = {}
         self.ends_at: dict[tuple[str, int, str], float] = {}     # sessions opened with an end
         self.round_ends: dict[tuple[str, int, str], RoundEnd] = {}   # the task kinds that asked
+        self.tasks: dict[tuple[str, int, str], M.TaskRef] = {}      # the task that opened it: declined if left
         self.inputs = SecureInputLedger() if inputs is None else inputs
         self.clock = clock
 
@@ -94,10 +110,11 @@ class SecAggSessions(MessageHandler):
         return bool(self.ends_at)
 
     def open(self, key: tuple[str, int, str], client: ClientSecAgg, ends_at: float | None = None,
-             round_end: RoundEnd | None = None) -> bool:
+             round_end: RoundEnd | None = None, task: M.TaskRef | None = None) -> bool:
         """Open ``key``'s round with ``client`` until ``ends_at`` (unix s, the device's clock; None:
-        no end but ``max_sessions``), ``round_end`` told how it ended; False (nothing changed)
-        where a live one holds it."""
+        no end but ``max_sessions``), ``round_end`` told how it ended, ``task`` (None: none named)
+        declined if the device leaves the round at its start; False (nothing changed) where a live
+        one holds it."""
         self.expire()
         if self.live(key):
             return False
@@ -107,6 +124,8 @@ class SecAggSessions(MessageHandler):
             self.ends_at[key] = float(ends_at)
         if round_end is not None:
             self.round_ends[key] = round_end
+        if task is not None:
+            self.tasks[key] = task
         while len(self.sessions) > self.max_sessions:          # the oldest rounds: this device leaves them
             self._end(next(iter(self.sessions)), "pushed out by newer rounds")
         return True
@@ -128,6 +147,7 @@ class SecAggSessions(MessageHandler):
         client = self.sessions.pop(key, None)
         self.ends_at.pop(key, None)
         round_end = self.round_ends.pop(key, None)
+        self.tasks.pop(key, None)
         if client is None:
             return
         if client.phase is not None:
@@ -151,6 +171,8 @@ class SecAggSessions(MessageHandler):
             self._end(key, "refused by the release guard")
             log.warning("%s: leaves secure round %s/%s: %s", self.device_id, msg.job_id, msg.round_id, exc)
             return []
+        except (InputError, ConfigError) as exc:    # the RoundStart's, raised once it is authenticated
+            return self._leave_at_start(key, exc)
         except SecAggError as exc:
             log.warning("%s: secagg error: %s", self.device_id, exc)
             if client.state is ClientState.ABORTED:     # a ProtocolViolation (e.g. declared dropped): over
@@ -167,6 +189,15 @@ class SecAggSessions(MessageHandler):
                 log.info("%s: secure round %s/%s aborted by the aggregator: %s", self.device_id, msg.job_id,
                          msg.round_id, client.abort_reason)
         return replies
+
+    def _leave_at_start(self, key: tuple[str, int, str], exc: SecAggError) -> list[Envelope]:
+        """The aggregator's RoundStart configures a round this device's input cannot enter: the
+        round is left (its secrets erased) and its task declined, so the first phase stops waiting
+        for this device at once. The encoder's words stay in the device's log."""
+        task = self.tasks.get(key)
+        self._end(key, "its input does not fit the round")
+        log.warning("%s: leaves secure round %s/%s/%s at its start: %s", self.device_id, *key, exc)
+        return [] if task is None else [M.decline_message(self.device_id, task, INPUT_DOES_NOT_FIT)]
 
 
 class SecureUpdate(SecureTaskHandler, MessageHandler):
@@ -258,7 +289,7 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
         except SecAggError as exc:
             raise TaskDeclined(f"secure aggregation refused the update: {exc}") from exc
         # the session ends with the task's round: the agent runs on_task until that moment
-        if not self.sessions.open(key, client, ends_at=round_over_at(), round_end=round_end):
+        if not self.sessions.open(key, client, ends_at=round_over_at(), round_end=round_end, task=task_at_work()):
             # opened meanwhile by the same task
             log.info("%s: task for the live secure round %s/%s/%s again: a duplicate", self.identity.device_id, *key)
         return []
