@@ -29,11 +29,12 @@ class JavaClient:
     """The driver's client interface (handle, state, provide_input) over the Java bridge."""
 
     def __init__(self, seed: bytes, config: RoundConfig, vector: np.ndarray, tmp_path, dp: bool = False, ledger=None,
-                 ends: float | None = None, chunk: int | None = None):
+                 ends: float | None = None, chunk: int | None = None, task: str | None = None):
         """``ledger``: the state folder of the device's secure-input ledger (None: no ledger);
         ``ends``: when the device's round ends (unix s on the bridge's clock; None: never);
         ``chunk``: the messages go through the device's sessions and its outbox's payloads of at most
-        that many bytes (SecAggSessions.onMessage, OutboxParts), the round's end told (``round_ends``)."""
+        that many bytes (SecAggSessions.onMessage, OutboxParts), the round's end told (``round_ends``);
+        ``task``: the round's task id (the messages go through SecAggSessions; its declines kept)."""
         self.key = DeviceIdentity.from_private_bytes(JAVA, seed).public_key_bytes
         (tmp_path / "input.f64").write_bytes(np.asarray(vector, "<f8").tobytes())
         self.proc = subprocess.Popen(
@@ -42,10 +43,12 @@ class JavaClient:
                                     config.group_id, str(tmp_path / "input.f64"), *(["dp"] if dp else []),
                                     *([f"ledger={ledger}"] if ledger is not None else []),
                                     *([f"ends={ends!r}"] if ends is not None else []),
-                                    *([f"chunk={chunk}"] if chunk is not None else [])),
+                                    *([f"chunk={chunk}"] if chunk is not None else []),
+                                    *([f"task={task}"] if task is not None else [])),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.state = ClientState.WAITING_CONFIG
         self.refusals: list[str] = []
+        self.declines: list[str] = []            # "<job> <round> <task id> <reason>" (task mode)
         self.round_ends: list[bool] = []         # what the round's RoundEnd was told (chunk mode)
         self.replies = MessageAssembler(sender_verifier(JAVA, self.key))   # whole replies, or chunks
 
@@ -68,6 +71,8 @@ class JavaClient:
                 whole = self.replies.feed(base64.b64decode(rest))
                 if whole is not None:
                     replies.append(from_envelope(whole))
+            elif kind == "DECLINE":
+                self.declines.append(rest)
             elif kind == "ENDED":
                 self.round_ends.append(rest == "true")
             elif kind == "ERROR":

@@ -19,9 +19,13 @@ message to the job).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
+import pytest
+
+import java_build
 
 from aggregator.jobs.fed3r_sync import Fed3RSyncConfig, Fed3RSyncJob
 from aggregator.security.fleet import Fleet
@@ -39,10 +43,12 @@ from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.mqtt_link import BrokerConfig
 from protocols.payloads.secagg import SECAGG_TYPE, SYNC_KIND, from_envelope, to_envelope
 from protocols.rounds import Declined
-from protocols.secagg import ClientState, KeyDirectory, Phase, RoundStart
+from protocols.secagg import ClientSecAgg, ClientState, KeyDirectory, Phase, RoundConfig, RoundStart
 from protocols.secagg.driver import make_identities
+from protocols.secagg.fixedpoint import RING_BITS
 
 from ops_fleet import Features
+from java_secagg_bridge import AGGREGATOR as BRIDGE_AGGREGATOR, JAVA, JavaClient
 from test_secagg_session_expiry import secrets_held
 
 AGGREGATOR = DeviceIdentity.generate("aggregator")
@@ -172,3 +178,43 @@ def test_a_replayed_round_start_costs_nothing_and_a_device_outside_an_agent_name
     [client] = secure.sessions.sessions.values()
     assert secure.sessions.on_message(start) == []
     assert client.state is ClientState.ABORTED and secure.sessions.sessions == {}
+
+
+@pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+@pytest.mark.parametrize("cause", ["bound", "non-finite", "length", "ring"])
+def test_the_python_and_the_java_device_leave_a_round_their_input_does_not_fit_with_the_same_decline(tmp_path, cause):
+    """The same RoundStart (signed by the aggregator) to a Python device and to the Java device
+    (SecAggSessions over its bridge, tests/java_device/SecAggBridge.java), each holding an input the
+    round cannot take: a value beyond the bound, a NaN, one entry too many, or distributed-DP noise
+    (the 64-bit ring) in a 32-bit round. Each leaves the round (no secret held, no round open) and
+    declines its task in the same words; the RoundStart again costs nothing."""
+    seed = os.urandom(32)
+    identities = {**{d: DeviceIdentity.generate(d) for d in ("dev-py0", "dev-py1", "dev-py2")},
+                  JAVA: DeviceIdentity.from_private_bytes(JAVA, seed)}
+    m, bound = 8, 50.0
+    config = RoundConfig.create(job_id="job", round_id=3, group_id="g3", aggregator_id="aggregator",
+                                members=list(identities), vector_length=m, bound=bound,
+                                ring_bits=32 if cause == "ring" else 64)
+    vector = np.linspace(-bound, bound, m + (cause == "length"))
+    vector[1] = {"bound": 2 * bound, "non-finite": np.nan}.get(cause, vector[1])
+    dp = cause == "ring"
+    start = RoundStart(job_id="job", round_id=3, group_id="g3", sender="aggregator", recipient=JAVA,
+                       config=config).signed(BRIDGE_AGGREGATOR)
+    ref = M.TaskRef("job", 3, "t-1")
+
+    sessions = SecAggSessions(JAVA)
+    sessions.open(("job", 3, "g3"), ClientSecAgg(identities[JAVA], "aggregator", BRIDGE_AGGREGATOR.public_key_bytes,
+                                                 job_id="job", round_id=3, group_id="g3", input_vector=vector,
+                                                 ring_bits=RING_BITS if dp else None), task=ref)
+    [decline] = sessions.on_message(to_envelope(start))
+    assert M.parse_result_ref(decline)[0] == ref and decline.body["reason"] == INPUT_DOES_NOT_FIT
+    assert sessions.sessions == {} and sessions.on_message(to_envelope(start)) == []
+
+    java = JavaClient(seed, config, vector, tmp_path, dp=dp, task=ref.task)
+    try:
+        assert java.handle(start) == [] and java.state is ClientState.ABORTED
+        assert java.declines == [f"job 3 t-1 {INPUT_DOES_NOT_FIT}"]
+        assert java.handle(start) == [] and len(java.declines) == 1         # the round is left: no session
+        assert java.tick(0.0) == (False, 0)                                 # no secret held, no round open
+    finally:
+        java.close()

@@ -18,6 +18,10 @@
 // replies encoded by the device's OutboxParts with payloads of at most that many bytes: a "REPLY" line
 // per payload, chunks included), and the rounds are opened with a RoundEnd: "ENDED <summed>" lines
 // before the STATE line say what it was told.
+// "task=<id>": the rounds are opened as a secure task of that id opens them
+// (SecureRounds), and each message goes through SecAggSessions.onMessage as on MqttAgent: a round
+// left at its start is answered "DECLINE <job> <round> <task id> <reason>" (SecAggSessions.Leaving),
+// and a refusal is logged there, not answered with an ERROR line.
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.file.*;
@@ -39,10 +43,12 @@ public final class SecAggBridge {
         SecureInputLedger ledger = null;
         Double ends = null;
         OutboxParts outbox = null;
+        String task = null;
         for (String o : options) {
             if (o.startsWith("ledger=")) ledger = new SecureInputLedger(new File(o.substring(7), SecureInputLedger.NAME));
             if (o.startsWith("ends=")) ends = Double.parseDouble(o.substring(5));
             if (o.startsWith("chunk=")) outbox = new OutboxParts(a[0], Integer.parseInt(o.substring(6)), id);
+            if (o.startsWith("task=")) task = o.substring(5);
         }
         List<Boolean> ended = new ArrayList<>();
         SecAggSessions.RoundEnd roundEnd = outbox == null ? null : ended::add;
@@ -50,12 +56,13 @@ public final class SecAggBridge {
         ReleaseGuard guard = null;
         String job = a[3], group = a[5];
         long round = Long.parseLong(a[4]);
-        SecAggSessions sessions = new SecAggSessions(a[0], 4, () -> now[0]);
+        PrintStream out = System.out;
+        SecAggSessions sessions = new SecAggSessions(a[0], 4, () -> now[0],
+                (leftJob, leftRound, leftTask, reason) -> out.println("DECLINE " + leftJob + " " + leftRound + " " + leftTask + " " + reason));
         if (ledger != null) guard = ledger.release(SecureInputLedger.vectorKey(SecureFed3RTask.KIND, input));
-        sessions.open(job, round, group, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends, roundEnd);
+        sessions.open(job, round, group, task, new ClientSecAgg(a[0], id, id.publicKey(), "aggregator", aggregatorKey, job, round, group, input, dp, guard), ends, roundEnd);
         ClientSecAgg client = sessions.session(job, round, group);
         BufferedReader in = new BufferedReader(new InputStreamReader(System.in));
-        PrintStream out = System.out;
         for (String line; (line = in.readLine()) != null; ) {
             String[] words = line.trim().split(" ");
             if (words[0].equals("RETASK") || words[0].equals("TASK")) {
@@ -85,7 +92,7 @@ public final class SecAggBridge {
                     state(out, ended, client);
                     continue;
                 }
-                for (SecAggMessage r : client.handle(SecAggMessage.fromEnvelope(env))) {
+                for (SecAggMessage r : task != null ? sessions.onMessage(env) : client.handle(SecAggMessage.fromEnvelope(env))) {
                     Map<String, Object> h = Messages.header(SecAggMessage.ENVELOPE_TYPE, a[0], r.envelopeBody(), Messages.newId(), Messages.now());
                     out.println("REPLY " + Base64.getEncoder().encodeToString(Envelope.encode(h, r.tensors(), id)));
                 }

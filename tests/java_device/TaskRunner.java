@@ -257,7 +257,7 @@ public final class TaskRunner {
         StringBuilder out = new StringBuilder();
         for (int delivery = 0; delivery < 2; delivery++, now[0] += 3600) {
             try {
-                boolean opened = device.start(task.ref.job, task.ref.round, task.kind, task.params, msg.tensors, counted);
+                boolean opened = device.start(task.ref, task.kind, task.params, msg.tensors, counted);
                 out.append("START ").append(opened).append(" TRAINED ").append(trained[0]).append('\n');
             } catch (TaskDeclined declined) {
                 out.append("DECLINED TRAINED ").append(trained[0]).append(' ').append(declined.getMessage()).append('\n');
@@ -284,7 +284,7 @@ public final class TaskRunner {
         boolean opened;
         WorkDeadline.Scope until = WorkDeadline.until(now + 3600);
         try {
-            opened = device.start(task.ref.job, task.ref.round, task.kind, task.params, msg.tensors, training);
+            opened = device.start(task.ref, task.kind, task.params, msg.tensors, training);
         } finally {
             until.close();
         }

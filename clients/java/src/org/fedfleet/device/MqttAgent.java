@@ -96,7 +96,9 @@ public final class MqttAgent implements AutoCloseable {
         if (memoryFile != null) memoryFile.loadInto(session);
         this.outbox = new OutboxParts(deviceId, options.chunkSize, options.signer);
         this.inbox = new InboxQueue<>("agent-" + deviceId, options.maxQueuedTopicBytes, options.maxQueuedBytes);
-        this.secagg = new SecAggSessions(deviceId, 4);
+        // a round left at its start (the input does not fit it) declines its task: the group stops waiting
+        this.secagg = new SecAggSessions(deviceId, 4, () -> System.currentTimeMillis() / 1000.0,
+                (job, round, task, reason) -> sendDecline(new TaskRef(job, round, task), reason));
         this.reader = reader(options);
         if (!options.secure.isEmpty() && (!(options.signer instanceof Identity) || options.aggregatorKey == null))
             throw new IllegalArgumentException("secure task kinds need the device's Identity as signer and the aggregator's key");
@@ -295,13 +297,21 @@ public final class MqttAgent implements AutoCloseable {
                                     + k.ref.round + ": " + k.reason + " (logged once per job and reason)");
                 } else if (a instanceof DeviceSession.SendDecline) {
                     DeviceSession.SendDecline d = (DeviceSession.SendDecline) a;
-                    tasksDeclined.incrementAndGet();
-                    Map<String, Object> h = Messages.decline(deviceId, d.ref, d.reason);
-                    publishMessage(Envelope.encode(h, Collections.<Envelope.Tensor>emptyList(), o.signer), (String) h.get("id"));
+                    sendDecline(d.ref, d.reason);
                 }
             } catch (Exception e) {   // a failed upload is retried by the session's timer
                 LOG.warning(deviceId + ": could not send: " + e);
             }
+        }
+    }
+
+    private void sendDecline(TaskRef ref, String reason) {
+        tasksDeclined.incrementAndGet();
+        try {
+            Map<String, Object> h = Messages.decline(deviceId, ref, reason);
+            publishMessage(Envelope.encode(h, Collections.<Envelope.Tensor>emptyList(), o.signer), (String) h.get("id"));
+        } catch (Exception e) {
+            LOG.warning(deviceId + ": could not send a decline: " + e);
         }
     }
 
@@ -357,7 +367,7 @@ public final class MqttAgent implements AutoCloseable {
     private void startSecure(DeviceSession.StartWork w, SecureTask secure) {
         TaskRef ref = w.task.ref;
         try {
-            untilRoundOver(w.task, () -> secureRounds.start(ref.job, ref.round, w.task.kind, w.task.params, w.tensors, secure));
+            untilRoundOver(w.task, () -> secureRounds.start(ref, w.task.kind, w.task.params, w.tensors, secure));
         } catch (WorkDeadline.PastDeadline e) {
             stopped(ref, e);
             return;

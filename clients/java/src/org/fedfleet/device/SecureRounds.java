@@ -6,7 +6,8 @@
 // (and the aggregator) went on with the first. Otherwise the vector becomes this device's input to
 // a new round, under the secure-input ledger's release guard for the input's key; an unreadable
 // ledger declines the task, also found before the contribution is computed (for the same reason).
-// The round's session ends with the task's round (MqttAgent runs the task until that moment).
+// The round's session ends with the task's round (MqttAgent runs the task until that moment), and
+// names the task: declined if the device leaves the round at its start (SecAggSessions.Leaving).
 package org.fedfleet.device;
 
 import java.util.List;
@@ -32,10 +33,12 @@ public final class SecureRounds {
         this.sessions = sessions; this.inputs = inputs;
     }
 
-    /** Opens the round of a secure task of kind (job, round, params, tensors) with secure's
-     *  contribution; false where the task is a duplicate of a live round (nothing computed). */
-    public boolean start(String job, long round, String kind, Map<String, Object> params, List<Envelope.Tensor> tensors,
+    /** Opens the round of a secure task (ref) of kind (params, tensors) with secure's contribution;
+     *  false where the task is a duplicate of a live round (nothing computed). */
+    public boolean start(TaskRef ref, String kind, Map<String, Object> params, List<Envelope.Tensor> tensors,
                          SecureTask secure) throws TaskDeclined {
+        String job = ref.job;
+        long round = ref.round;
         String group = SecureUpdateRound.namedGroup(params);
         sessions.expire();                  // a round over by now is no live one to keep
         if (group != null && sessions.live(job, round, group)) {
@@ -49,7 +52,7 @@ public final class SecureRounds {
         // they train (a task declined afterwards would leave it advanced for a round never joined)
         if (inputs.lost() != null && inputs.reload() != null) throw new TaskDeclined(SecureInputLedger.LOST_REASON);
         SecureTask.Contribution mine = secure.contribute(params, tensors);
-        return sessions.open(job, round, mine.group, new ClientSecAgg(deviceId, identity, identity.publicKey(),
+        return sessions.open(job, round, mine.group, ref.task, new ClientSecAgg(deviceId, identity, identity.publicKey(),
                 Topics.AGGREGATOR_ID, aggregatorKey, job, round, mine.group, mine.vector, mine.distributedDp,
                 inputs.release(inputKey(kind, params, tensors, mine))), WorkDeadline.roundOverAt(), mine.roundEnd);
     }

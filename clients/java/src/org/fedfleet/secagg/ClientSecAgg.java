@@ -208,8 +208,13 @@ public final class ClientSecAgg {
             throw new SecAggException("round config does not describe this round");
         if (!c.isMember(deviceId)) throw new SecAggException(deviceId + " is not a member of group " + groupId);
         if (distributedDp && c.ringBits != RingVector.BITS_64)
-            throw new SecAggException("distributed DP noise needs the 64-bit ring, the round declares ring_bits " + c.ringBits);
-        RingVector enc = c.encode(input);
+            throw new SecAggException.InputRefused("distributed DP noise needs the 64-bit ring, the round declares ring_bits " + c.ringBits);
+        RingVector enc;
+        try {
+            enc = c.encode(input);
+        } catch (SecAggException e) {
+            throw new SecAggException.InputRefused(e.getMessage());
+        }
         X25519PrivateKeyParameters ck = Crypto.x25519(), mk = Crypto.x25519();
         Map<String, Object> payload = new LinkedHashMap<>();
         payload.put("cipher_public_key", SecAggMessage.b64(Crypto.publicBytes(ck)));

@@ -17,4 +17,12 @@ public class SecAggException extends Exception {
     public static final class ReleaseRefused extends SecAggException {
         public ReleaseRefused(String message) { super(message); }
     }
+
+    /** The round's config, checked and signed by the aggregator, has no room for this device's input
+     *  (not encodable: non-finite, beyond the bound, another length; or a ring other than the input
+     *  needs): thrown at the RoundStart, once it is authenticated, changing nothing
+     *  (protocols/secagg/errors.py InputError and ConfigError). SecAggSessions then leaves the round. */
+    public static final class InputRefused extends SecAggException {
+        public InputRefused(String message) { super(message); }
+    }
 }

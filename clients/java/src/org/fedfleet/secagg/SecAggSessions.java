@@ -20,6 +20,11 @@
 // A round whose answer cannot be sent (its encoder's EnvelopeError: over the envelope's limits, more
 // chunks than a reassembler takes) ends at once, as edge_client/tasks/secure_update.py's
 // UnsendableMessage: the device sits it out (a dropout) and keeps no secret of it until its deadline.
+// A round whose authenticated RoundStart has no room for this device's input (InputRefused) is left,
+// and the task that opened it (open's task) is declined through Leaving with INPUT_DOES_NOT_FIT:
+// the aggregator turns the decline into MemberOffline and the round's first phase stops waiting for
+// this device at once (it waited up to its budget, half the round); a replay of that RoundStart
+// finds no round.
 package org.fedfleet.secagg;
 
 import java.util.ArrayList;
@@ -42,6 +47,17 @@ public final class SecAggSessions {
     private final Map<List<Object>, ClientSecAgg> sessions = new LinkedHashMap<>();
     private final Map<List<Object>, Double> endsAt = new HashMap<>();     // the rounds opened with an end
     private final Map<List<Object>, RoundEnd> roundEnds = new HashMap<>();   // the task kinds that asked
+    private final Map<List<Object>, String> tasks = new HashMap<>();     // the task that opened it: declined if left
+    private final Leaving leaving;
+
+    /** The decline of a task whose input cannot enter its round (edge_client/tasks/secure_update.py says the same). */
+    public static final String INPUT_DOES_NOT_FIT = "this device's input does not fit the secure round's configuration "
+            + "(its length, its bound or its ring): it leaves the round";
+
+    /** Told when this device leaves a round at its start: the task (job, round, task id) to decline, and why. */
+    public interface Leaving {
+        void left(String job, long round, String task, String reason);
+    }
 
     /** Told once, when a round's session ends here, whether the round FINISHED (summed: true) or
      *  ended any other way (aborted, declared dropped, past its deadline, pushed out: false). */
@@ -61,7 +77,12 @@ public final class SecAggSessions {
 
     /** clock: unix seconds, the device's (a test's own). */
     public SecAggSessions(String deviceId, int maxSessions, DoubleSupplier clock) {
-        this.deviceId = deviceId; this.maxSessions = maxSessions; this.clock = clock;
+        this(deviceId, maxSessions, clock, null);
+    }
+
+    /** leaving: told of each round left at its start whose task is known (null: nobody). */
+    public SecAggSessions(String deviceId, int maxSessions, DoubleSupplier clock, Leaving leaving) {
+        this.deviceId = deviceId; this.maxSessions = maxSessions; this.clock = clock; this.leaving = leaving;
     }
 
     /** Opens the round with client, with no end but maxSessions; false (nothing changed) where a live round holds the key. */
@@ -77,6 +98,13 @@ public final class SecAggSessions {
 
     /** As above, roundEnd (null: none) told how the round ended. */
     public boolean open(String job, long round, String group, ClientSecAgg client, Double endsAt, RoundEnd roundEnd) {
+        return open(job, round, group, null, client, endsAt, roundEnd);
+    }
+
+    /** As above, task (the id of the task that opened the round; null: none) declined if the
+     *  device leaves the round at its start. */
+    public boolean open(String job, long round, String group, String task, ClientSecAgg client, Double endsAt,
+                        RoundEnd roundEnd) {
         List<Object> key = Arrays.<Object>asList(job, round, group);
         expire();
         if (live(job, round, group)) {
@@ -87,6 +115,7 @@ public final class SecAggSessions {
         sessions.put(key, client);
         if (endsAt != null) this.endsAt.put(key, endsAt);
         if (roundEnd != null) roundEnds.put(key, roundEnd);
+        if (task != null) tasks.put(key, task);
         while (sessions.size() > maxSessions)       // the oldest rounds: this device leaves them
             end(sessions.keySet().iterator().next(), "pushed out by newer rounds");
         return true;
@@ -119,6 +148,7 @@ public final class SecAggSessions {
         ClientSecAgg client = sessions.remove(key);
         endsAt.remove(key);
         RoundEnd roundEnd = roundEnds.remove(key);
+        tasks.remove(key);
         if (client == null) return;
         if (!client.done()) {
             client.timeOut();
@@ -140,7 +170,8 @@ public final class SecAggSessions {
 
     public int open() { return sessions.size(); }
 
-    /** The replies to one `secagg` envelope; a message that fails its checks is logged and changes nothing. */
+    /** The replies to one `secagg` envelope; a message that fails its checks is logged and changes
+     *  nothing, but a RoundStart with no room for the input: its round is left (leaving told). */
     public List<SecAggMessage> onMessage(Envelope.Message env) {
         return onMessage(env, reply -> reply);
     }
@@ -171,6 +202,13 @@ public final class SecAggSessions {
             return out;
         } catch (SecAggException.ReleaseRefused e) {       // the round is aborted: the input does not leave
             LOG.warning(deviceId + ": leaves secure round " + m.header.get("job_id") + "/" + round + ": " + e.getMessage());
+            return Collections.emptyList();
+        } catch (SecAggException.InputRefused e) {     // the encoder's words stay here: they may quote the input
+            String task = tasks.get(key);
+            end(key, "its input does not fit the round");
+            LOG.warning(deviceId + ": leaves secure round " + key + " at its start: " + e.getMessage());
+            if (task != null && leaving != null)
+                leaving.left((String) key.get(0), ((Number) key.get(1)).longValue(), task, INPUT_DOES_NOT_FIT);
             return Collections.emptyList();
         } catch (SecAggException e) {
             LOG.warning(deviceId + ": secagg error: " + e.getMessage());
