@@ -28,6 +28,13 @@ class Backoff:
     def succeeded(self, key: str) -> None:
         self._until.pop(key, None)
 
+    def settle(self, key: str, failed: bool, now: float) -> float | None:
+        """``key``'s try ended at ``now``: how long it now waits if it ``failed``, else None (forgotten)."""
+        if failed:
+            return self.failed(key, now)
+        self.succeeded(key)
+        return None
+
     def waiting(self, now: float) -> set[str]:
         """The keys whose wait has not ended at ``now``."""
         return {k for k, (until, _, _) in self._until.items() if until > now}

@@ -128,8 +128,7 @@ class AggregatorService(OperatorActions):
             topics.job_ends, encode(env, signer=self._signer), retain=True, wait=True))
         self.strays = StrayResults(store, self.job_ends)     # what answers a result for no open round
         self.held_back = Backoff()      # stored jobs whose end could not be committed lately
-        self.last_finished, self.active = None, None   # ActiveJob | None: the job served, the last one finished
-        self.runner: JobRunner | None = None
+        self.last_finished, self.active, self.runner = None, None, None   # the job served, the last finished; its runner
         if job is not None:
             self._activate(job, self.out_dir)
         self._update_live(force=True)
@@ -205,8 +204,7 @@ class AggregatorService(OperatorActions):
         if self.shards is not None:         # its sums are the shards'
             self.shards.set_job(job, kind)
             job = self.shards.coordinator_job(job, kind)
-        a = ActiveJob(job, kind, Path(out_dir))
-        a.end_failures = self.held_back.failures(a.job_id)      # its end's earlier tries count (service/end_failures.py)
+        a = ActiveJob(job, kind, Path(out_dir), end_failures=self.held_back.failures(job.config.job_id))  # end_failures.py
         a.out_dir.mkdir(parents=True, exist_ok=True)
         if self.store is not None:
             open_stored(a, self.store, self.settings.checkpoints, self.crash)
@@ -444,10 +442,9 @@ class AggregatorService(OperatorActions):
 
     def _finish_job(self) -> dict:
         summary, job_id = self.runner.finish(), self.active.job_id
-        if self.active.uncommitted is not None:     # the store resumes the job: after a wait (service/backoff.py)
-            log.warning("job %s: resumed in %.0f s", job_id, self.held_back.failed(job_id, time.monotonic()))
-        else:                                       # ended (or interrupted): its next end counts from nothing
-            self.held_back.succeeded(job_id)
+        # the store resumes the job after a wait (service/backoff.py); ended (or interrupted), its next end counts from 0
+        if (wait := self.held_back.settle(job_id, self.active.uncommitted is not None, time.monotonic())) is not None:
+            log.warning("job %s: resumed in %.0f s", job_id, wait)
         self.last_finished, self.active, self.runner = self.active, None, None
         self._update_live(force=True)
         return summary
