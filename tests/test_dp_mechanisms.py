@@ -247,7 +247,8 @@ def test_a_group_threshold_without_distributed_dp_is_refused_not_ignored():
 def test_a_device_adding_distributed_noise_joins_only_a_64_bit_round():
     """Its Skellam share is scaled for the 64-bit ring: the device opens its session asking for 64,
     so a RoundStart in the 32-bit ring (which the job never sends: its config refuses dp with
-    ring_bits 32) is refused and the device sends nothing; a device without noise takes either."""
+    ring_bits 32) is refused, the device sends nothing and leaves the round (its secrets erased;
+    outside an agent no task to decline); a device without noise takes either."""
     ids = [f"dev{i}" for i in range(4)]
     identities, agg, registry = in_memory_keys(ids)
     common = dict(num_classes=3, feature_dim=4, rounds=1, clients_per_round=4, seed=1)
@@ -266,7 +267,8 @@ def test_a_device_adding_distributed_noise_joins_only_a_64_bit_round():
                            sender="aggregator", recipient=chosen[0], config=narrow).signed(agg)
         replies = device.on_message(to_envelope(start))
         assert (replies == []) == (wanted == 64) and client.state is (
-            ClientState.WAITING_CONFIG if wanted else ClientState.ADVERTISED)
+            ClientState.ABORTED if wanted else ClientState.ADVERTISED)
+        assert len(device.sessions.sessions) == (0 if wanted else 1)
 
 
 def test_the_metrics_claim_no_epsilon_for_a_run_with_seeded_noise(monkeypatch, tmp_path):

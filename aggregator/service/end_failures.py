@@ -36,8 +36,9 @@ def is_transient(exc: BaseException) -> bool:
     """Whether a later try of the job's end may get past ``exc``."""
     if isinstance(exc, PERMANENT_OS_ERRORS) or (isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS):
         return False
-    code = getattr(exc, "sqlite_errorcode", None)       # absent from one raised by hand: taken as the store's state
-    if isinstance(exc, sqlite3.OperationalError) and code is not None and code & 0xFF == SQLITE_ERROR:
+    # sqlite3 sets the code on the exceptions it raises; one raised by hand has none: taken as the store's state
+    code = vars(exc).get("sqlite_errorcode") if isinstance(exc, sqlite3.OperationalError) else None
+    if code is not None and code & 0xFF == SQLITE_ERROR:
         return False
     return isinstance(exc, TRANSIENT_END_ERRORS)
 
