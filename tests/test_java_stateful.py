@@ -392,7 +392,7 @@ def test_a_secure_stateful_round_over_before_it_finished_leaves_scaffolds_contro
     now = time.time()               # the training checks its deadline on the wall clock
     _, params, tensors, _, _, heldout, wrapper = secure_stateful_case(tmp_path, kind, {}, clock=lambda: now)
     assert wrapper.on_task("sec-1", 1, params, tensors) == []          # round 1, summed: its state stays
-    wrapper.sessions.sessions.clear()                                   # (its session over)
+    wrapper.sessions.rounds.clear()                                     # (its session over)
     shutil.copytree(tmp_path / "py-state", tmp_path / "java-state")
     first = DeviceStateStore(tmp_path / "py-state", clock=lambda: now).load("sec-1", None)
     later = {**params, "state": {**STATE, "round": 2}}

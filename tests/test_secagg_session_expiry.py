@@ -172,7 +172,7 @@ def test_the_agent_ends_a_secure_session_at_its_tasks_deadline_on_its_tick(monke
     agent._handle(("inbox", encode(decode(encode(task)))))
     key = ("job1", 1, PARAMS["group"])
     opened = secure.sessions.sessions[key]
-    assert secure.sessions.ends_at[key] == deadline + agent.session.deadline_grace_s
+    assert secure.sessions.rounds[key].ends_at == deadline + agent.session.deadline_grace_s
     assert secrets_held(opened) == ["input"]                        # RoundStart not yet in: the input only
     agent._tick(time.monotonic())
     assert opened.state is ClientState.WAITING_CONFIG               # a tick before the end: kept

@@ -38,6 +38,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -71,6 +73,35 @@ INPUT_DOES_NOT_FIT = ("this device's input does not fit the secure round's confi
 
 log = logging.getLogger("fedfleet.device.secagg")
 
+RoundKey = tuple[str, int, str]     # (job, round, group)
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    """What the device holds for one open secure round: one entry, so opening, ending and expiring
+    the round touch it whole."""
+
+    client: ClientSecAgg
+    ends_at: float | None = None            # unix s, the device's clock; None: no end but max_sessions
+    round_end: RoundEnd | None = None       # the task kind that asked to be told how the round ended
+    task: M.TaskRef | None = None           # the task that opened it: declined if the device leaves at its start
+
+
+class RoundClients(Mapping):
+    """A read-only, live view of the open rounds' clients by key (``SecAggSessions.sessions``)."""
+
+    def __init__(self, rounds: dict[RoundKey, OpenRound]):
+        self._rounds = rounds
+
+    def __getitem__(self, key: RoundKey) -> ClientSecAgg:
+        return self._rounds[key].client
+
+    def __iter__(self) -> Iterator[RoundKey]:
+        return iter(self._rounds)
+
+    def __len__(self) -> int:
+        return len(self._rounds)
+
 
 class SecAggSessions(MessageHandler):
     """A device's open secure-aggregation sessions, keyed by (job, round, group).
@@ -79,37 +110,40 @@ class SecAggSessions(MessageHandler):
     opens its sessions here, so one device can serve several secure task kinds. ``inputs``: the
     device's secure-input ledger, shared by those kinds (default: one in memory).
 
-    A session ends where its round can no longer complete: at its task's deadline plus the clocks'
-    grace (``ends_at``, ``edge_client/work_deadline.py``: the aggregator gives the round up at its
-    deadline), or when ``max_sessions`` newer rounds push it out. SecAgg's security assumes a round's
-    secrets (its private keys, its neighbours' shares, its input) are erased when the round ends, so
-    an ending session is fed a Timeout: the client's own abort path erases them, and the session
-    is forgotten (a late message for it is refused, as for a round the aggregator aborted). The
-    agent calls :meth:`expire` on every tick; each message and task checks ``clock`` (unix s, the
-    device's: what the deadline is read on) first too, so a late message finds its round over
-    between ticks."""
+    Each open round is one ``OpenRound`` in ``rounds`` (its client, its end, its kind's RoundEnd,
+    its task); ``sessions`` views their clients. A session ends where its round can no longer
+    complete: at its task's deadline plus the clocks' grace (``ends_at``, ``edge_client/
+    work_deadline.py``: the aggregator gives the round up at its deadline), or when ``max_sessions``
+    newer rounds push it out. SecAgg's security assumes a round's secrets (its private keys, its
+    neighbours' shares, its input) are erased when the round ends, so an ending session is fed a
+    Timeout: the client's own abort path erases them, and the session is forgotten (a late message
+    for it is refused, as for a round the aggregator aborted). The agent calls :meth:`expire` on
+    every tick; each message and task checks ``clock`` (unix s, the device's: what the deadline is
+    read on) first too, so a late message finds its round over between ticks."""
 
     def __init__(self, device_id: str, max_sessions: int = 4, inputs: SecureInputLedger | None = None,
                  clock: Callable[[], float] = time.time):
         self.device_id, self.max_sessions = device_id, max_sessions
-        self.sessions: dict[tuple[str, int, str], ClientSecAgg] = {}
-        self.ends_at: dict[tuple[str, int, str], float] = {}     # sessions opened with an end
-        self.round_ends: dict[tuple[str, int, str], RoundEnd] = {}   # the task kinds that asked
-        self.tasks: dict[tuple[str, int, str], M.TaskRef] = {}      # the task that opened it: declined if left
+        self.rounds: dict[RoundKey, OpenRound] = {}     # oldest first: the first pushed out
         self.inputs = SecureInputLedger() if inputs is None else inputs
         self.clock = clock
 
-    def live(self, key: tuple[str, int, str]) -> bool:
+    @property
+    def sessions(self) -> Mapping[RoundKey, ClientSecAgg]:
+        """The open rounds' clients by key (a read-only view that follows ``rounds``)."""
+        return RoundClients(self.rounds)
+
+    def live(self, key: RoundKey) -> bool:
         """Whether the round ``key`` is open here and not over."""
-        client = self.sessions.get(key)
-        return client is not None and client.state not in (ClientState.FINISHED, ClientState.ABORTED)
+        opened = self.rounds.get(key)
+        return opened is not None and opened.client.state not in (ClientState.FINISHED, ClientState.ABORTED)
 
     @property
     def expiring(self) -> bool:
         """Whether a session waits for its end (the agent then ticks even when otherwise idle)."""
-        return bool(self.ends_at)
+        return any(opened.ends_at is not None for opened in self.rounds.values())
 
-    def open(self, key: tuple[str, int, str], client: ClientSecAgg, ends_at: float | None = None,
+    def open(self, key: RoundKey, client: ClientSecAgg, ends_at: float | None = None,
              round_end: RoundEnd | None = None, task: M.TaskRef | None = None) -> bool:
         """Open ``key``'s round with ``client`` until ``ends_at`` (unix s, the device's clock; None:
         no end but ``max_sessions``), ``round_end`` told how it ended, ``task`` (None: none named)
@@ -119,52 +153,44 @@ class SecAggSessions(MessageHandler):
         if self.live(key):
             return False
         self._end(key, "over")
-        self.sessions[key] = client
-        if ends_at is not None:
-            self.ends_at[key] = float(ends_at)
-        if round_end is not None:
-            self.round_ends[key] = round_end
-        if task is not None:
-            self.tasks[key] = task
-        while len(self.sessions) > self.max_sessions:          # the oldest rounds: this device leaves them
-            self._end(next(iter(self.sessions)), "pushed out by newer rounds")
+        self.rounds[key] = OpenRound(client, None if ends_at is None else float(ends_at), round_end, task)
+        while len(self.rounds) > self.max_sessions:          # the oldest rounds: this device leaves them
+            self._end(next(iter(self.rounds)), "pushed out by newer rounds")
         return True
 
     def expire(self, now: float | None = None) -> None:
         """End every session whose round is over by ``now`` (default: the clock)."""
         now = self.clock() if now is None else now
-        for key in [key for key, end in self.ends_at.items() if now > end]:
+        for key in [key for key, opened in self.rounds.items() if opened.ends_at is not None and now > opened.ends_at]:
             self._end(key, "past its deadline")
 
     def leave_earlier_rounds(self, job: str, round_: int) -> None:
         """End the sessions of ``job``'s rounds before ``round_`` (its task came: they are over)."""
-        for key in [key for key in self.sessions if key[0] == job and key[1] < round_]:
+        for key in [key for key in self.rounds if key[0] == job and key[1] < round_]:
             self._end(key, f"over (round {round_} of its job began)")
 
-    def _end(self, key: tuple[str, int, str], why: str) -> None:
+    def _end(self, key: RoundKey, why: str) -> None:
         """Forget ``key``'s session, a live one through its client's abort path (secrets erased),
         and tell its task kind whether the round finished here (its ``round_end``, once)."""
-        client = self.sessions.pop(key, None)
-        self.ends_at.pop(key, None)
-        round_end = self.round_ends.pop(key, None)
-        self.tasks.pop(key, None)
-        if client is None:
+        opened = self.rounds.pop(key, None)
+        if opened is None:
             return
+        client = opened.client
         if client.phase is not None:
             client.handle(Timeout(client.phase))
             log.info("%s: secure round %s/%s/%s %s: left, its secrets erased", self.device_id, *key, why)
-        if round_end is not None:
-            round_end(client.state is ClientState.FINISHED)
+        if opened.round_end is not None:
+            opened.round_end(client.state is ClientState.FINISHED)
 
     def on_message(self, env: Envelope) -> list[Envelope]:
         msg = from_envelope(env)
         self.expire()
-        client = self.sessions.get((msg.job_id, msg.round_id, msg.group_id))
-        if client is None:
-            log.info("%s: secagg message for an unknown session %s/%s/%s", self.device_id,
-                     msg.job_id, msg.round_id, msg.group_id)
-            return []
         key = (msg.job_id, msg.round_id, msg.group_id)
+        opened = self.rounds.get(key)
+        if opened is None:
+            log.info("%s: secagg message for an unknown session %s/%s/%s", self.device_id, *key)
+            return []
+        client = opened.client
         try:
             replies = [to_envelope(r) for r in client.handle(msg)]
         except ReleaseRefused as exc:       # the round is aborted: the input does not leave
@@ -190,11 +216,11 @@ class SecAggSessions(MessageHandler):
                          msg.round_id, client.abort_reason)
         return replies
 
-    def _leave_at_start(self, key: tuple[str, int, str], exc: SecAggError) -> list[Envelope]:
+    def _leave_at_start(self, key: RoundKey, exc: SecAggError) -> list[Envelope]:
         """The aggregator's RoundStart configures a round this device's input cannot enter: the
         round is left (its secrets erased) and its task declined, so the first phase stops waiting
         for this device at once. The encoder's words stay in the device's log."""
-        task = self.tasks.get(key)
+        task = self.rounds[key].task
         self._end(key, "its input does not fit the round")
         log.warning("%s: leaves secure round %s/%s/%s at its start: %s", self.device_id, *key, exc)
         return [] if task is None else [M.decline_message(self.device_id, task, INPUT_DOES_NOT_FIT)]
