@@ -110,6 +110,11 @@ class MessageHandler(ABC):
     def expire(self, now: float) -> None:
         """End what is held for rounds over by ``now`` (unix s, this device's clock)."""
 
+    def unsendable(self, env: Envelope, exc: EnvelopeError) -> None:
+        """The answers to ``env`` cannot be sent (``exc``: the outbox refused one, before any went).
+        A protocol whose round cannot go on without them ends it here (a SecAgg session at once)."""
+        log.warning("the answers to a %s message cannot be sent: %s", env.type, exc)
+
 
 class TaskHandler(Protocol):
     """params: the task's JSON parameters; tensors: the task's tensors (e.g. a global model)."""
@@ -319,12 +324,7 @@ class DeviceAgent:
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
                                                           received_at=time.time(), sent_at=env.ts)))
         elif self._protocol(env.type, MessageHandler) is not None:
-            for out in self.protocol_handlers[env.type].on_message(env):
-                # a decline among the answers: the device leaves a secure round its task opened
-                self.stats.tasks_declined += out.type == M.DECLINE
-                self.stats.bytes_up += self.link.publish_envelope(
-                    self.topics.outbox(self.device_id), out, chunk_size=self.chunk_size, signer=self.signer,
-                    before_each=self.hooks.before_upload)
+            self._answer(self.protocol_handlers[env.type], env)
         elif env.type == JOB_ENDED:
             self._on_job_ended(env)
         elif env.type == M.ACK:
@@ -335,6 +335,24 @@ class DeviceAgent:
             self.session.handle(AckArrived(ref_id, status))
         else:
             log.info("%s: ignoring message type %s", self.device_id, env.type)
+
+    def _answer(self, handler: MessageHandler, env: Envelope) -> None:
+        """Publish a protocol message's answers, every one encoded (chunked at this agent's chunk size,
+        signed) before any is sent: where one cannot be (over the envelope's limits, more chunks than a
+        reassembler takes), none is, and the handler is told then (``unsendable``): a secure round whose
+        answer cannot travel ends at once, its secrets erased, instead of waiting for its deadline (the
+        Java device's SecAggSessions.onMessage(env, encoder) alike)."""
+        outs = handler.on_message(env)
+        try:
+            payloads = [encode_parts(out, self.signer, self.chunk_size) for out in outs]
+        except EnvelopeError as exc:
+            handler.unsendable(env, exc)
+            return
+        outbox = self.topics.outbox(self.device_id)
+        for out, parts in zip(outs, payloads):
+            # a decline among the answers: the device leaves a secure round its task opened
+            self.stats.tasks_declined += out.type == M.DECLINE
+            self.stats.bytes_up += self.link.publish_parts(outbox, parts, before_each=self.hooks.before_upload)
 
     def _protocol(self, name: str, role: type):
         """The protocol handler registered under ``name`` if it is a ``role`` (SecureTaskHandler: a

@@ -46,7 +46,7 @@ import numpy as np
 
 from protocols import messages as M
 from protocols.clipping import clip_update
-from protocols.envelope import Envelope
+from protocols.envelope import Envelope, EnvelopeError
 from protocols.identity import DeviceIdentity
 from protocols.payloads.secagg import UnsendableMessage, from_envelope, to_envelope
 from protocols.payloads.secure_tasks import SecureUpdateRound
@@ -114,7 +114,8 @@ class SecAggSessions(MessageHandler):
     its task); ``sessions`` views their clients. A session ends where its round can no longer
     complete: at its task's deadline plus the clocks' grace (``ends_at``, ``edge_client/
     work_deadline.py``: the aggregator gives the round up at its deadline), or when ``max_sessions``
-    newer rounds push it out. SecAgg's security assumes a round's secrets (its private keys, its
+    newer rounds push it out, or at once where its answer cannot be sent (``unsendable``: the
+    agent's outbox refused it). SecAgg's security assumes a round's secrets (its private keys, its
     neighbours' shares, its input) are erased when the round ends, so an ending session is fed a
     Timeout: the client's own abort path erases them, and the session is forgotten (a late message
     for it is refused, as for a round the aggregator aborted). The agent calls :meth:`expire` on
@@ -205,8 +206,7 @@ class SecAggSessions(MessageHandler):
                 self._end(key, "aborted")
             return []
         except UnsendableMessage as exc:       # its answer cannot travel: sit the round out (a dropout)
-            self._end(key, "its answer cannot be sent")
-            log.warning("%s: leaves secure round %s/%s: %s", self.device_id, msg.job_id, msg.round_id, exc)
+            self._sit_out(key, exc)
             return []
         if client.state in (ClientState.FINISHED, ClientState.ABORTED):
             # done, or the server aborted the round (its secrets are already erased)
@@ -215,6 +215,19 @@ class SecAggSessions(MessageHandler):
                 log.info("%s: secure round %s/%s aborted by the aggregator: %s", self.device_id, msg.job_id,
                          msg.round_id, client.abort_reason)
         return replies
+
+    def unsendable(self, env: Envelope, exc: EnvelopeError) -> None:
+        """The agent's outbox refused an answer to ``env`` before any was sent (more chunks at its chunk
+        size than a reassembler takes, over the envelope's limits): the round sits out at once, as
+        where ``to_envelope`` refuses one, rather than keep its secrets until its deadline."""
+        msg = from_envelope(env)
+        self._sit_out((msg.job_id, msg.round_id, msg.group_id), exc)
+
+    def _sit_out(self, key: RoundKey, exc: EnvelopeError) -> None:
+        """``key``'s answer cannot travel: the device leaves the round, a dropout (its secrets erased, its
+        kind told the round did not finish here); a round that finished with that answer is over already."""
+        self._end(key, "its answer cannot be sent")
+        log.warning("%s: secure round %s/%s/%s: its answer cannot be sent, none is: %s", self.device_id, *key, exc)
 
     def _leave_at_start(self, key: RoundKey, exc: SecAggError) -> list[Envelope]:
         """The aggregator's RoundStart configures a round this device's input cannot enter: the
@@ -328,6 +341,9 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
 
     def on_message(self, env: Envelope) -> list[Envelope]:
         return self.sessions.on_message(env)
+
+    def unsendable(self, env: Envelope, exc: EnvelopeError) -> None:
+        self.sessions.unsendable(env, exc)
 
     # registered as the ``secagg`` handler too (a device of one secure kind): its sessions' clock
     @property
