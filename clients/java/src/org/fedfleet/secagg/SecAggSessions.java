@@ -18,8 +18,9 @@
 // once, whether the round FINISHED here (the device answered the unmask request as a survivor: its
 // input is in the unmasked sum) or ended any other way (SecureStatefulHeadTask: Scaffold's c_k).
 // A round whose answer cannot be sent (its encoder's EnvelopeError: over the envelope's limits, more
-// chunks than a reassembler takes) ends at once, as edge_client/tasks/secure_update.py's
-// UnsendableMessage: the device sits it out (a dropout) and keeps no secret of it until its deadline.
+// chunks than a reassembler takes) ends at once, as on the Python device (edge_client/agent.py's
+// _answer, SecAggSessions.unsendable): the device sits it out (a dropout) and keeps no secret of it
+// until its deadline. Each open round is one OpenRound (its client, end, RoundEnd and task).
 // A round whose authenticated RoundStart has no room for this device's input (InputRefused) is left,
 // and the task that opened it (open's task) is declined through Leaving with INPUT_DOES_NOT_FIT:
 // the aggregator turns the decline into MemberOffline and the round's first phase stops waiting for
@@ -30,7 +31,6 @@ package org.fedfleet.secagg;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Collections;
-import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
@@ -44,11 +44,20 @@ public final class SecAggSessions {
     private final String deviceId;
     private final int maxSessions;
     private final DoubleSupplier clock;
-    private final Map<List<Object>, ClientSecAgg> sessions = new LinkedHashMap<>();
-    private final Map<List<Object>, Double> endsAt = new HashMap<>();     // the rounds opened with an end
-    private final Map<List<Object>, RoundEnd> roundEnds = new HashMap<>();   // the task kinds that asked
-    private final Map<List<Object>, String> tasks = new HashMap<>();     // the task that opened it: declined if left
+    private final Map<List<Object>, OpenRound> rounds = new LinkedHashMap<>();     // oldest first: the first pushed out
     private final Leaving leaving;
+
+    /** What this device holds for one open round: one entry, so opening, ending and expiring it touch it whole. */
+    private static final class OpenRound {
+        final ClientSecAgg client;
+        final Double endsAt;        // unix s, the device's clock; null: no end but maxSessions
+        final RoundEnd roundEnd;    // the task kind that asked to be told how the round ended; null: none
+        final String task;          // the task that opened it, declined if the device leaves at its start; null: none
+
+        OpenRound(ClientSecAgg client, Double endsAt, RoundEnd roundEnd, String task) {
+            this.client = client; this.endsAt = endsAt; this.roundEnd = roundEnd; this.task = task;
+        }
+    }
 
     /** The decline of a task whose input cannot enter its round (edge_client/tasks/secure_update.py says the same). */
     public static final String INPUT_DOES_NOT_FIT = "this device's input does not fit the secure round's configuration "
@@ -112,12 +121,9 @@ public final class SecAggSessions {
             return false;
         }
         end(key, "over");
-        sessions.put(key, client);
-        if (endsAt != null) this.endsAt.put(key, endsAt);
-        if (roundEnd != null) roundEnds.put(key, roundEnd);
-        if (task != null) tasks.put(key, task);
-        while (sessions.size() > maxSessions)       // the oldest rounds: this device leaves them
-            end(sessions.keySet().iterator().next(), "pushed out by newer rounds");
+        rounds.put(key, new OpenRound(client, endsAt, roundEnd, task));
+        while (rounds.size() > maxSessions)       // the oldest rounds: this device leaves them
+            end(rounds.keySet().iterator().next(), "pushed out by newer rounds");
         return true;
     }
 
@@ -127,17 +133,23 @@ public final class SecAggSessions {
     /** Ends every round over by now (unix s, the device's clock). */
     public void expire(double now) {
         List<List<Object>> over = new ArrayList<>();
-        for (Map.Entry<List<Object>, Double> e : endsAt.entrySet()) if (now > e.getValue()) over.add(e.getKey());
+        for (Map.Entry<List<Object>, OpenRound> e : rounds.entrySet()) {
+            Double endsAt = e.getValue().endsAt;
+            if (endsAt != null && now > endsAt) over.add(e.getKey());
+        }
         for (List<Object> key : over) end(key, "past its deadline");
     }
 
     /** Whether a round waits for its end. */
-    public boolean expiring() { return !endsAt.isEmpty(); }
+    public boolean expiring() {
+        for (OpenRound opened : rounds.values()) if (opened.endsAt != null) return true;
+        return false;
+    }
 
     /** Ends the open rounds of job before round (a task of round came: they are over). */
     public void leaveEarlierRounds(String job, long round) {
         List<List<Object>> over = new ArrayList<>();
-        for (List<Object> key : sessions.keySet())
+        for (List<Object> key : rounds.keySet())
             if (job.equals(key.get(0)) && ((Number) key.get(1)).longValue() < round) over.add(key);
         for (List<Object> key : over) end(key, "over (round " + round + " of its job began)");
     }
@@ -145,16 +157,14 @@ public final class SecAggSessions {
     /** Forgets key's round, a live one timed out first (its secrets erased), and tells its
      *  RoundEnd, once, whether the round finished here. */
     private void end(List<Object> key, String why) {
-        ClientSecAgg client = sessions.remove(key);
-        endsAt.remove(key);
-        RoundEnd roundEnd = roundEnds.remove(key);
-        tasks.remove(key);
-        if (client == null) return;
+        OpenRound opened = rounds.remove(key);
+        if (opened == null) return;
+        ClientSecAgg client = opened.client;
         if (!client.done()) {
             client.timeOut();
             LOG.info(deviceId + ": secure round " + key + " " + why + ": left, its secrets erased");
         }
-        if (roundEnd != null) roundEnd.ended(client.state() == ClientSecAgg.State.FINISHED);
+        if (opened.roundEnd != null) opened.roundEnd.ended(client.state() == ClientSecAgg.State.FINISHED);
     }
 
     /** Whether the round (job, round, group) is open here and not over. */
@@ -165,10 +175,11 @@ public final class SecAggSessions {
 
     /** The round open for (job, round, group), or null. */
     public ClientSecAgg session(String job, long round, String group) {
-        return sessions.get(Arrays.<Object>asList(job, round, group));
+        OpenRound opened = rounds.get(Arrays.<Object>asList(job, round, group));
+        return opened == null ? null : opened.client;
     }
 
-    public int open() { return sessions.size(); }
+    public int open() { return rounds.size(); }
 
     /** The replies to one `secagg` envelope; a message that fails its checks is logged and changes
      *  nothing, but a RoundStart with no room for the input: its round is left (leaving told). */
@@ -191,11 +202,12 @@ public final class SecAggSessions {
         Object round = m.header.get("round_id");
         List<Object> key = Arrays.<Object>asList(m.header.get("job_id"),
                 round instanceof java.math.BigInteger ? ((java.math.BigInteger) round).longValue() : round, m.header.get("group_id"));
-        ClientSecAgg client = sessions.get(key);
-        if (client == null) {
+        OpenRound opened = rounds.get(key);
+        if (opened == null) {
             LOG.info(deviceId + ": secagg message for an unknown session " + key);
             return Collections.emptyList();
         }
+        ClientSecAgg client = opened.client;
         try {
             List<T> out = new ArrayList<>();
             for (SecAggMessage reply : client.handle(m)) out.add(encoder.encode(reply));
@@ -204,11 +216,10 @@ public final class SecAggSessions {
             LOG.warning(deviceId + ": leaves secure round " + m.header.get("job_id") + "/" + round + ": " + e.getMessage());
             return Collections.emptyList();
         } catch (SecAggException.InputRefused e) {     // the encoder's words stay here: they may quote the input
-            String task = tasks.get(key);
             end(key, "its input does not fit the round");
             LOG.warning(deviceId + ": leaves secure round " + key + " at its start: " + e.getMessage());
-            if (task != null && leaving != null)
-                leaving.left((String) key.get(0), ((Number) key.get(1)).longValue(), task, INPUT_DOES_NOT_FIT);
+            if (opened.task != null && leaving != null)
+                leaving.left((String) key.get(0), ((Number) key.get(1)).longValue(), opened.task, INPUT_DOES_NOT_FIT);
             return Collections.emptyList();
         } catch (SecAggException e) {
             LOG.warning(deviceId + ": secagg error: " + e.getMessage());
