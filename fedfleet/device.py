@@ -393,9 +393,12 @@ def follow_deployments(args, broker, extractors, holdout_images, holdout_labels,
             features.move_to_end(sha)
         else:
             # no task's deadline bounds a fetch on the follower's thread: without its own window it waited
-            # 120 s a file, holding the bundle lock every task's extractor waits on (a review's finding)
+            # 120 s a file, holding the bundle lock every task's extractor waits on (a review's finding).
+            # Asked as a task asks (extractor_for): an eager device is refused before any fetch, and a
+            # bundle that just failed is not fetched again at each retry; BundleUnusable is the follower's
+            # held-out failure (tried again, then refused)
             with working_until(time.time() + HELD_OUT_FETCH_S):
-                extractor = extractors.get(sha)[0]
+                extractor = extractors.extractor_for(sha)[0]
             features[sha] = extractor.extract(holdout_images)
             while len(features) > MAX_HELD_EXTRACTORS:
                 features.popitem(last=False)
@@ -445,6 +448,10 @@ def _local_factory(runtime: str, cache_dir: str | None):
     return make
 
 
+class BundleUnusable(Exception):
+    """A bundle this device cannot extract features with, and why (``FetchedBundles.extractor_for``)."""
+
+
 class FetchedBundles:
     """The device's extractor factory: a job that names a bundle (task param ``bundle_sha256``)
     gets that bundle, fetched from the aggregator over the broker the first time and verified
@@ -478,19 +485,25 @@ class FetchedBundles:
         self.lock = threading.Lock()
 
     def get(self, sha: str):
+        """(extractor, weights sha256) of bundle ``sha``, fetched unless held; its errors as they come
+        (at boot, ``--bundle-sha``'s). Tasks and the follower ask through :meth:`extractor_for`."""
+        with self.lock:
+            return self._held_or_fetched(sha)
+
+    def _held_or_fetched(self, sha: str):
+        """:meth:`get`, under the bundle lock."""
         from edge_client.disk_budget import touch
         from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
 
-        with self.lock:
-            touch(self._folder(sha))                 # asked for: the last the disk budget removes
-            if sha in self._held:
-                self._held.move_to_end(sha)
-                return self._held[sha]
-            self._held[sha] = self._fetch(sha)
-            if len(self._held) > MAX_HELD_EXTRACTORS:
-                self._held.popitem(last=False)
-            self._trim()
+        touch(self._folder(sha))                 # asked for: the last the disk budget removes
+        if sha in self._held:
+            self._held.move_to_end(sha)
             return self._held[sha]
+        self._held[sha] = self._fetch(sha)
+        if len(self._held) > MAX_HELD_EXTRACTORS:
+            self._held.popitem(last=False)
+        self._trim()
+        return self._held[sha]
 
     def trim(self) -> None:
         """Keep the fetched bundles within the disk budget (the held ones stay)."""
@@ -527,13 +540,41 @@ class FetchedBundles:
                 t.line() for t in extractor.calibration), flush=True)
         return extractor, extractor.weights_sha256     # the verified manifest's, not a re-read
 
-    def __call__(self, backbone: str, image_size: int, weights: str, bundle_sha256: str = ""):
-        from edge_client.agent import TaskDeclined
+    def extractor_for(self, sha: str):
+        """(extractor, weights sha256) of bundle ``sha``, for a task and for the deployment follower's
+        held-out features alike; :class:`BundleUnusable`, saying why, for a malformed digest, on a
+        device running eager torch (it would fetch the bundle only to fail), and for a bundle that
+        could not be fetched (remembered for a while: asked for again meanwhile, it is refused at once)."""
         from edge_client.artifacts import ArtifactFetchError
         from protocols.bundle_manifest import ArtifactError
 
         from protocols.envelope import EnvelopeError
         from protocols.payloads.artifacts import check_sha
+
+        try:
+            check_sha(sha)              # it becomes a directory name: nothing but 64 hex digits
+        except EnvelopeError as exc:
+            raise BundleUnusable(f"bad bundle_sha256: {exc}") from exc
+        if self.runtime == "eager":
+            raise BundleUnusable(f"job runs on bundle {sha[:16]}, but this device runs eager torch (use --runtime "
+                                 "executorch or onnxruntime)")
+        # the follower's thread and the tasks' both ask: the failures remembered are read and noted under
+        # the bundle lock, so who waited behind a failing fetch of the same bundle is refused, not fetches again
+        with self.lock:
+            known = self.unavailable.reason(sha)
+            if known is not None:       # failed a moment ago: the job's next task is not held up again
+                raise BundleUnusable(known)
+            try:
+                return self._held_or_fetched(sha)
+            except (ArtifactFetchError, ArtifactError, OSError, ValueError) as exc:
+                # ArtifactError: a bundle with no program for this device's runtime, or a file whose digest
+                # differs (a review's finding: they escaped as a task's unexpected error, with a traceback)
+                reason = f"bundle {sha[:16]} unavailable: {exc}"
+                self.unavailable.note(sha, reason)
+                raise BundleUnusable(reason) from exc
+
+    def __call__(self, backbone: str, image_size: int, weights: str, bundle_sha256: str = ""):
+        from edge_client.agent import TaskDeclined
 
         sha = bundle_sha256 or self.default
         if not sha:
@@ -542,23 +583,9 @@ class FetchedBundles:
                                    "exported bundle, and neither the job (bundle_sha256) nor --bundle-sha names one")
             return self.local(backbone, image_size, weights)
         try:
-            check_sha(sha)              # it becomes a directory name: nothing but 64 hex digits
-        except EnvelopeError as exc:
-            raise TaskDeclined(f"bad bundle_sha256: {exc}") from exc
-        if self.runtime == "eager":
-            raise TaskDeclined(f"job runs on bundle {sha[:16]}, but this device runs eager torch (use --runtime "
-                               "executorch or onnxruntime)")
-        known = self.unavailable.reason(sha)
-        if known is not None:           # failed a moment ago: the job's next task is not held up again
-            raise TaskDeclined(known)
-        try:
-            extractor, bundle_weights = self.get(sha)
-        except (ArtifactFetchError, ArtifactError, OSError, ValueError) as exc:
-            # ArtifactError: a bundle with no program for this device's runtime, or a file whose digest
-            # differs (a review's finding: they escaped as a task's unexpected error, with a traceback)
-            reason = f"bundle {sha[:16]} unavailable: {exc}"
-            self.unavailable.note(sha, reason)
-            raise TaskDeclined(reason) from exc
+            extractor, bundle_weights = self.extractor_for(sha)
+        except BundleUnusable as exc:
+            raise TaskDeclined(str(exc)) from exc
         if image_size != extractor.image_size or (weights and weights != bundle_weights):
             raise TaskDeclined(f"job wants {backbone}@{image_size}px weights {weights[:12]}; bundle {sha[:16]} is "
                                f"{extractor.image_size}px weights {bundle_weights[:12]}")
