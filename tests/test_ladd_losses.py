@@ -239,6 +239,52 @@ def test_train_handler_end_to_end_and_caches(model):
         task({**params, "kd_sha256": "0" * 64}, {"model": tensors["model"]})
 
 
+def test_the_encoder_features_are_kept_for_the_last_few_task_shapes_only(monkeypatch):
+    """A review's leftover: ``ladd.train`` kept the frozen encoder's features of the local images per
+    task shape (image size, output stride, tail blocks), which the task chooses, and never dropped
+    any: a stream of tasks naming new shapes grew the device for the process's life. Now the last
+    MAX_HELD_EXTRACTORS shapes are kept, the least recently used leaving first; a shape asked for
+    again is computed again, and trains to the same update."""
+    import gc
+    import weakref
+
+    from edge_client.tasks.extractors import MAX_HELD_EXTRACTORS
+
+    shapes = ([(8, tail) for tail in range(5)] + [(16, tail) for tail in range(5)])[:MAX_HELD_EXTRACTORS + 2]
+    models = {shape: SegmentationModel(SegmentationSpec(num_classes=3, image_size=16, output_stride=shape[0],
+                                                        tail_blocks=shape[1], head_channels=4, aspp_rates=(2,)),
+                                       seed=0) for shape in shapes}
+    computed: list[tuple] = []          # the shape of each encoder pass, and a weak reference to its features
+    encode = SegmentationModel.frozen_features
+
+    def counting(self, images, batch=64):
+        features = encode(self, images, batch)
+        computed.append(((self.spec.output_stride, self.spec.tail_blocks), weakref.ref(features)))
+        return features
+
+    monkeypatch.setattr(SegmentationModel, "frozen_features", counting)
+    task = LaddTrainTask(np.random.default_rng(7).integers(0, 256, (3, 16, 16, 3), np.uint8),
+                         lambda spec: models[(spec.output_stride, spec.tail_blocks)])
+
+    # each shape's task, made before any training (the eager step trains the model it is given in place)
+    tasks = {shape: train_params(models[shape], epochs=1, batch_size=3) for shape in shapes}
+
+    def update(shape):
+        params, tensors = tasks[shape]
+        return task({**params, "model": models[shape].spec.to_dict()}, tensors)[1]["update"]
+
+    first = {shape: update(shape) for shape in shapes}             # a task of each shape in turn
+    gc.collect()
+    assert [shape for shape, _ in computed] == shapes
+    alive = [shape for shape, features in computed if features() is not None]
+    assert alive == shapes[-MAX_HELD_EXTRACTORS:], "encoder features of shapes past the last few stay in memory"
+    for shape in reversed(shapes[-MAX_HELD_EXTRACTORS:]):          # still held: not computed again
+        update(shape)
+    assert len(computed) == len(shapes)
+    np.testing.assert_array_equal(update(shapes[0]), first[shapes[0]])      # dropped: computed again, same update
+    assert [shape for shape, _ in computed] == shapes + [shapes[0]]
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda p, t: t.pop("model"), "no 'model'"),
     (lambda p, t: t.update(model=t["model"][:-1]), "float32"),

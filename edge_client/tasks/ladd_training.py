@@ -56,6 +56,7 @@ from ..agent import TaskDeclined
 from ..work_deadline import each_checked
 from ..models.segmentation import IGNORE, SegmentationModel, SegmentationSpec, self_training_loss
 from ..style import extract_style
+from .extractors import MAX_HELD_EXTRACTORS
 from .local_rules import rule_for
 from .numpy_head import within_step_budget
 from .params import read_params
@@ -137,6 +138,16 @@ MAX_HELD_PROGRAMS = 4
 _PROGRAMS: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
 
 
+def _recently_used(held: collections.OrderedDict, key, make: Callable[[], Any], limit: int):
+    """``held[key]``, made by ``make()`` when missing; ``held`` keeps the ``limit`` most recently used
+    keys, the least recently used leaving first."""
+    value = held.pop(key) if key in held else make()
+    held[key] = value                              # the most recent, last
+    while len(held) > limit:
+        held.popitem(last=False)
+    return value
+
+
 class _ExecuTorchStepper:
     """Loss and gradients from the lowered training program (see the module doc)."""
 
@@ -154,13 +165,9 @@ class _ExecuTorchStepper:
         frozen_digest = hashlib.sha256(b"".join(state[k].numpy().tobytes() for k in sorted(state)
                                                 if k not in set(trainable))).hexdigest()
         key = (model.spec, tuple(trainable), recipe.batch_size, recipe.kd_lambda, frozen_digest)
-        program = _PROGRAMS.pop(key, None)
-        if program is None:
-            program = lower_self_training_program(model, trainable, recipe.batch_size, recipe.kd_lambda)
-        _PROGRAMS[key] = program                       # the most recent, last
-        while len(_PROGRAMS) > MAX_HELD_PROGRAMS:
-            _PROGRAMS.popitem(last=False)
-        self._program = program                        # the loader does not copy: keep the bytes alive
+        self._program = _recently_used(           # the loader does not copy: keep the bytes alive
+            _PROGRAMS, key, lambda: lower_self_training_program(model, trainable, recipe.batch_size,
+                                                                recipe.kd_lambda), MAX_HELD_PROGRAMS)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._module = _load_for_executorch_for_training_from_buffer(self._program)
@@ -304,7 +311,10 @@ class LaddTrainTask:
         self.model_factory = model_factory or (lambda spec: SegmentationModel(spec))
         self.lock = lock or contextlib.nullcontext()
         self.expected_weights_sha256 = expected_weights_sha256
-        self._frozen: dict[tuple, torch.Tensor] = {}
+        # (image size, output stride, tail blocks) -> the frozen encoder's features of the local images,
+        # for the last MAX_HELD_EXTRACTORS keys tasks asked for: the key is the task's to choose, and
+        # kept whole they grew with each new one for the process's life (a review's finding)
+        self._frozen: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         self._kd: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.last: SelfTrainingResult | None = None
 
@@ -373,9 +383,7 @@ class LaddTrainTask:
 
     def _frozen_features(self, model: SegmentationModel, spec: SegmentationSpec) -> torch.Tensor:
         key = (spec.image_size, spec.output_stride, spec.tail_blocks)
-        if key not in self._frozen:
-            self._frozen[key] = model.frozen_features(self.images)
-        return self._frozen[key]
+        return _recently_used(self._frozen, key, lambda: model.frozen_features(self.images), MAX_HELD_EXTRACTORS)
 
     def _kd_targets(self, model, spec, layout, flats, kd_sha, recipe, frozen):
         key = (kd_sha, recipe.kd_alpha, recipe.pseudo_quantile, recipe.pseudo_cap, spec.image_size)
