@@ -10,7 +10,8 @@ real SQLite store, the failure injected through the job's own end (its release, 
   growing waits between them, saying so with the last error: it used to be tried for ever;
 * a job the operator cancelled whose end raises stays cancelled, the error in its record: it used
   to be recorded failed (a deterministic error) or left running for a retry that would resume it
-  running (a disk's: the cancel is held by the serving process only)."""
+  running (a disk's: the cancel was held by the serving process only; it is stored since,
+  tests/test_cancel_durable.py)."""
 import errno
 import json
 import os
@@ -151,7 +152,7 @@ def test_a_cancelled_job_whose_end_raises_stays_cancelled_with_the_error_in_its_
     control_job(store, a, a.job_id, "cancel")        # the operator's cancel of the served job
     runner.tick(time.monotonic())                   # its open round closes,
     runner.tick(time.monotonic())                   # then the job is over
-    assert a.final_state == JobState.CANCELLED and store.job(a.job_id)["state"] == JobState.RUNNING
+    assert a.final_state == JobState.CANCELLED and store.job(a.job_id)["state"] == JobState.CANCELLING
 
     def finalize(self):
         raise error
@@ -160,7 +161,7 @@ def test_a_cancelled_job_whose_end_raises_stays_cancelled_with_the_error_in_its_
     round_models = store.models(a.job_id)          # its closed round's
     summary = runner.finish()
     reason = f"the job cannot end: {type(error).__name__}: {error}"
-    assert a.uncommitted is None            # not left for a retry that would resume it running
+    assert a.uncommitted is None            # not left for a retry: the operator asked for its end
     assert summary["state"] == JobState.CANCELLED and summary["error"] == reason
     row = store.job(a.job_id)
     assert row["state"] == JobState.CANCELLED and row["summary"]["error"] == reason

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GUIDE = {"start": {"created": "queued", "stopped": "queued"},
          "pause": {"running": "paused"},
          "resume": {"paused": "queued", "stopped": "queued"},
-         "cancel": {s: "cancelled" for s in ("created", "queued", "running", "paused", "stopped")}}
+         "cancel": {s: "cancelled" for s in ("created", "queued", "running", "paused", "cancelling", "stopped")}}
 
 
 @pytest.mark.parametrize("action", sorted(GUIDE))
@@ -41,8 +41,14 @@ def test_a_served_job_pauses_resumes_and_cancels_after_its_round():
     m = JobLifecycle("running", served=True)
     assert m.handle(OPERATOR_EVENTS["pause"]()) == [StoreState(JobState.PAUSED), ServeAs(JobState.PAUSED)]
     assert m.handle(OPERATOR_EVENTS["resume"]()) == [StoreState(JobState.RUNNING), ServeAs(JobState.RUNNING)]
-    assert m.handle(OPERATOR_EVENTS["cancel"]()) == [CancelAfterRound()]
-    assert m.state is JobState.RUNNING                     # the runner writes cancelled after the round
+    # stored at once (a restart ends it cancelled too); the runner writes cancelled after the round
+    assert m.handle(OPERATOR_EVENTS["cancel"]()) == [StoreState(JobState.CANCELLING), CancelAfterRound()]
+    assert m.state is JobState.CANCELLING
+    assert m.handle(OPERATOR_EVENTS["cancel"]()) == [StoreState(JobState.CANCELLING), CancelAfterRound()]   # again
+    for action in ("start", "pause", "resume"):
+        with pytest.raises(IllegalTransition):
+            m.handle(OPERATOR_EVENTS[action]())
+    assert m.state is JobState.CANCELLING
 
 
 def test_final_states_have_no_way_out():
@@ -73,7 +79,10 @@ def test_actions_through_the_store(tmp_path):
         assert store.job("j")["state"] == "running"
         served = SimpleNamespace(job_id="j", state=JobState.RUNNING, cancelling=False)
         assert control_job(store, served, "j", "pause")["state"] == "paused" and served.state == "paused"
-        assert control_job(store, served, "j", "cancel")["state"] == "paused" and served.cancelling
+        assert control_job(store, served, "j", "cancel")["state"] == "cancelling" and served.cancelling
+        with pytest.raises(StoreError, match="cannot resume job j in state 'cancelling'"):
+            control_job(store, served, "j", "resume")
+        assert store.job("j")["state"] == "cancelling" and served.state == "paused"
         other = SimpleNamespace(job_id="k", state=JobState.RUNNING, cancelling=False)
         assert control_job(store, other, "j", "cancel")["state"] == "cancelled" and not other.cancelling
     finally:

@@ -22,6 +22,7 @@ from protocols.topics import DEVICE_ID_RE
 from aggregator.jobs.config_limits import (JOB_ID_RE, Fields, Items, OneOf, Pattern, Range, check_limit, field_limit,
                                            matches)
 from aggregator.jobs.registry import KINDS, kind_of
+from aggregator.storage.schema import JobState
 
 ID_PATTERN = DEVICE_ID_RE.pattern
 JOB_ID_PATTERN = JOB_ID_RE.pattern        # a device id's characters, never "." or ".." (a directory)
@@ -190,7 +191,8 @@ class Job(BaseModel):
     job_id: str
     kind: str
     config: dict[str, Any]
-    state: str
+    state: JobState = Field(description="cancelling: the served job was cancelled; cancelled once its open round "
+                                        "closes (also after a restart of the service)")
     created_at: float
     updated_at: float
     started_at: float | None
@@ -221,7 +223,7 @@ class Round(BaseModel):
 class RoundLogPage(BaseModel):
     lines: list[dict[str, Any]] = Field(description="events of the job's round log (rounds.jsonl), oldest first")
     next_offset: int = Field(description="pass as ?offset= to get the lines written after these")
-    job_state: str
+    job_state: JobState
 
 
 class Model(BaseModel):

@@ -89,7 +89,7 @@ class ActiveJob:
     started_at: float = field(default_factory=time.time)                # the job's start (survives restarts)
     waiting_since: float | None = None          # when the job first asked for devices in this process
     started: bool = False                       # enough devices seen to open a round after (re)start
-    cancelling: bool = False
+    cancelling: bool = False                    # cancelled by the operator (stored: cancelling): over after its open round
     final_state: str | None = None              # done | cancelled once the job is over
     quarantined: set[str] = field(default_factory=set)   # devices whose contribution broke the job: not asked again
     applied: AppliedContributions = field(default_factory=AppliedContributions)   # what the live job summed, in order
@@ -100,6 +100,11 @@ class ActiveJob:
     @property
     def job_id(self) -> str:
         return self.job.config.job_id
+
+    @property
+    def shown_state(self) -> str:
+        """The state the operator sees: its end once over, else cancelling, running or paused (as the store's)."""
+        return self.final_state or (JobState.CANCELLING if self.cancelling else self.state)
 
     def let_go(self, round_: int, now: float) -> None:
         """Drop a closed round's machine and bookkeeping once its close is committed, keeping what

@@ -8,7 +8,9 @@ action (:class:`Start`, :class:`Pause`, :class:`Resume`, :class:`Cancel`) or the
 queued job up (:class:`PickedUp`). It answers with actions, which the adapter
 (:func:`control_job`, on the service thread: the store's single writer) carries out in order:
 :class:`StoreState` writes the state, :class:`ServeAs` switches the served job between running and
-paused, :class:`CancelAfterRound` lets the served job finish its open round first. An action the
+paused, :class:`CancelAfterRound` lets the served job finish its open round first (stored as
+``cancelling`` beforehand, so that a service restarted meanwhile ends it cancelled too, rather than
+resuming it running). An action the
 table has no row for in the stored state is refused (:class:`IllegalTransition`, the API's 409)
 before anything changes. ``python -m aggregator.service.job_lifecycle`` prints the table that
 docs/operations.md shows (a test keeps the two equal).
@@ -28,8 +30,11 @@ from aggregator.jobs.registry import full_config
 from aggregator.storage.schema import JobState
 from aggregator.storage.store import Store, StoreError
 
-_CREATED, _QUEUED, _RUNNING, _PAUSED, _STOPPED, _CANCELLED = (
-    JobState.CREATED, JobState.QUEUED, JobState.RUNNING, JobState.PAUSED, JobState.STOPPED, JobState.CANCELLED)
+_CREATED, _QUEUED, _RUNNING, _PAUSED, _CANCELLING, _STOPPED, _CANCELLED = (
+    JobState.CREATED, JobState.QUEUED, JobState.RUNNING, JobState.PAUSED, JobState.CANCELLING, JobState.STOPPED,
+    JobState.CANCELLED)
+# what a service takes up again after a restart (before any queued job): the jobs it was serving
+INTERRUPTED = (_RUNNING, _PAUSED, _CANCELLING)
 
 
 # -- events --------------------------------------------------------------------------------------
@@ -92,7 +97,9 @@ class JobLifecycle:
         return self.served
 
     def _cancel_after_round(self, _ev) -> list:
-        return [CancelAfterRound()]
+        # stored first: a restart before the round closes takes the job up cancelling (job_to_serve)
+        self.state = _CANCELLING
+        return [StoreState(_CANCELLING), CancelAfterRound()]
 
 
 def _to(state: JobState, *serve: JobState):
@@ -117,11 +124,11 @@ LIFECYCLE_TABLE = TransitionTable(JobState, [
                guard=_L._is_served),
     Transition(_PAUSED, Resume, "", _to(_QUEUED), (StoreState,), (_QUEUED,)),
     Transition(_STOPPED, Resume, "", _to(_QUEUED), (StoreState,), (_QUEUED,)),
-    *(Transition(state, Cancel, _SERVED, _L._cancel_after_round, (CancelAfterRound,),
+    *(Transition(state, Cancel, _SERVED, _L._cancel_after_round, (StoreState, CancelAfterRound), (_CANCELLING,),
                  note="cancelled when its open round closes", guard=_L._is_served)
-      for state in (_RUNNING, _PAUSED)),
+      for state in (_RUNNING, _PAUSED, _CANCELLING)),
     *(Transition(state, Cancel, "", _to(_CANCELLED), (StoreState,), (_CANCELLED,))
-      for state in (_CREATED, _QUEUED, _RUNNING, _PAUSED, _STOPPED)),
+      for state in (_CREATED, _QUEUED, _RUNNING, _PAUSED, _CANCELLING, _STOPPED)),
 ])
 assert all(row.state is not ANY for row in LIFECYCLE_TABLE.rows)   # every state is named: a final state has no row
 
@@ -175,10 +182,10 @@ if __name__ == "__main__":
 
 
 def job_to_serve(store: Store, held_back: set[str]) -> dict | None:
-    """The stored job the service takes up next: an interrupted one (running, paused) before the
-    oldest queued; none held back (its end could not be committed lately: it waits, rather than
-    being rebuilt and finished again on every turn of the service's loop)."""
-    rows = [j for j in store.jobs() if j["state"] in (_RUNNING, _PAUSED)] or \
+    """The stored job the service takes up next: an interrupted one (running, paused, cancelling)
+    before the oldest queued; none held back (its end could not be committed lately: it waits,
+    rather than being rebuilt and finished again on every turn of the service's loop)."""
+    rows = [j for j in store.jobs() if j["state"] in INTERRUPTED] or \
         ([store.next_queued_job()] if store.next_queued_job() else [])
     return next((row for row in rows if row["job_id"] not in held_back), None)
 

@@ -499,8 +499,8 @@ class JobRunner:
         try:
             end = self._job_end(state, row)
         except Exception as exc:
-            # Nothing takes the job up again without a store; nor a cancelled one: its cancel lives in
-            # this process only (CancelAfterRound stores nothing), so the store would resume it running.
+            # Nothing takes the job up again without a store; nor a cancelled one: the operator asked
+            # for its end, which its record gives now, saying what it lacks (no model).
             cancelled = state == JobState.CANCELLED
             why = end_failure(exc, retried=self.store is not None and not cancelled,
                               failed_before=a.end_failures, attempts=self.end_attempts)
@@ -525,7 +525,7 @@ class JobRunner:
         if row is not None and state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
             compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
             self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), end.model, final_eval, a.job.round)
-            # an interrupted job (timeout, SIGTERM) stays "running"/"paused" in the store: the next
+            # an interrupted job (timeout, SIGTERM) stays "running"/"paused"/"cancelling" in the store: the next
             # start of the service resumes it, exactly as after a crash
         summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
         self.crash("job_finished")

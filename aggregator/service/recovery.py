@@ -90,6 +90,8 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
         a.final_state = row["state"]
     elif row["state"] == JobState.PAUSED:
         a.state = JobState.PAUSED
+    elif row["state"] == JobState.CANCELLING:    # the operator's cancel: its restored round closes, then it is over
+        a.cancelling = True
     else:
         store.set_job_state(a.job_id, JobState.RUNNING)
     log.warning("job %s restored: %d rounds, checkpoint of round %d, %d contributions replayed in %.3fs",

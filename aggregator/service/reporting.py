@@ -53,14 +53,13 @@ def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
         current = {**coord.snapshot(), "opened_at": a.opened_at.get(coord.round),
                    "deadline": a.deadlines.get(coord.round), "bytes_in": a.round_bytes[coord.round]}
         del current["state"]
-    snap["job"] = {"job_id": a.job_id, "kind": a.kind, "state": a.final_state or a.state, "round": a.job.round,
+    snap["job"] = {"job_id": a.job_id, "kind": a.kind, "state": a.shown_state, "round": a.job.round,
                    "contributions": a.job.contributions,
                    "accuracy": a.history[-1].get("accuracy") if a.history else None,
                    "privacy": a.history[-1].get("privacy") if a.history else None,
                    "stats": a.stats.to_dict(), "current_round": current,
                    # why no round opens (a DP pool too small, ...): while it could open one only
-                   "waiting": a.job.waiting if coord is None and a.state == JobState.RUNNING and not a.final_state
-                   else None}
+                   "waiting": a.job.waiting if coord is None and a.shown_state == JobState.RUNNING else None}
     return snap
 
 
@@ -90,7 +89,7 @@ def status_summary(snap: dict) -> dict:
 def status_body(a: ActiveJob, online: int, known: int, state: str | None = None) -> dict:
     """The body of the retained ``status`` message."""
     last = a.history[-1] if a.history else {}
-    return {"state": state or a.final_state or a.state, "job": a.job_id, "round": a.job.round,
+    return {"state": state or a.shown_state, "job": a.job_id, "round": a.job.round,
             "contributions": a.job.contributions, "devices_online": online, "devices_known": known,
             "accuracy": last.get("accuracy"), "privacy": last.get("privacy"), "bytes_in": a.stats.bytes_in}
 

@@ -19,6 +19,7 @@ class JobState(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     PAUSED = "paused"
+    CANCELLING = "cancelling"       # the operator cancelled the served job: cancelled once its open round closes
     STOPPED = "stopped"             # the service gave up on it (its error says why); start/resume again
     CANCELLED = "cancelled"
     DONE = "done"

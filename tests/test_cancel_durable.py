@@ -1,0 +1,166 @@
+"""An operator's cancel of the job the service is serving outlives the service: it is stored
+(``cancelling``) at once, and a service restarted before the job's open round closed ends the job
+cancelled once its restored round closes, as the one cancelled would have. It used to live in the
+serving process only (``ActiveJob.cancelling``): a crash after the cancel resumed the job running,
+and a rebuild of the served job (``AggregatorService._job_broken``) forgot it.
+
+Against a real SQLite store and a real mosquitto; the crash is a SIGKILL of an aggregator process
+(``FEDFLEET_CRASH_AT``, as tests/test_crash_resume_kinds.py's), restarted on its state file alone.
+The cancelled job's statistics are checked against an independent numpy sum of the devices that
+contributed before the cancel (``ops_fleet.reference_sums``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sqlite3
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.service.loop import AggregatorService
+from aggregator.service.settings import ServiceSettings
+from aggregator.storage.schema import JobState
+from aggregator.storage.store import Store
+from protocols.mqtt_link import BrokerConfig
+
+from ops_fleet import Fleet, job_config, reference_sums, wait_for
+from test_crash_resume_kinds import TOKEN, AggregatorProcess, post
+
+pytestmark = pytest.mark.slow       # aggregator processes killed and restarted
+
+DEVICES = [f"dev{i:02d}" for i in range(4)]
+
+
+def stored(state: Path, sql: str) -> list[tuple]:
+    db = sqlite3.connect(state)         # another process's store, read only here
+    try:
+        return db.execute(sql).fetchall()
+    finally:
+        db.close()
+
+
+def test_a_job_cancelled_before_a_sigkill_ends_cancelled_after_the_restart(broker, tmp_path):
+    work = tmp_path / "run"
+    work.mkdir()
+    (work / "enrolled.txt").write_text("\n".join(DEVICES) + "\n")
+    (work / "token").write_text(TOKEN)
+    state = work / "state.db"
+    gates = {d: threading.Event() for d in DEVICES}         # no device answers until let go
+    config = {k: v for k, v in job_config(DEVICES).items() if k != "job_id"}
+    first = restarted = None
+    try:
+        with Fleet(broker.url, DEVICES, gates=gates):
+            # killed at the close that the cancel brings about, before it is committed
+            first = AggregatorProcess(work, broker.url, "round_closing", "--keep-serving", "--api", "127.0.0.1:0",
+                                      "--api-token-file", str(work / "token"))
+            api = first.api_url()
+            post(f"{api}/api/jobs", {"job_id": "job", "kind": "fed3r", "config": config})
+            post(f"{api}/api/jobs/job/start")
+            wait_for(lambda: stored(state, "SELECT 1 FROM rounds"), 60, "round 1 to open")
+            participants = json.loads(stored(state, "SELECT participants FROM rounds WHERE round=1")[0][0])
+            answered = participants[0]
+            gates[answered].set()                       # one participant answers; the others are still working
+            wait_for(lambda: stored(state, "SELECT device FROM contributions"), 60, "its contribution")
+
+            try:
+                answer = post(f"{api}/api/jobs/job/cancel")
+            except (http.client.HTTPException, OSError):
+                answer = None       # the tick right after the cancel may kill the process before it answers
+            rc, log = first.wait(60)
+            assert rc == -9 and "crash point round_closing reached" in log, log[-3000:]
+            assert answer is None or answer["state"] == "cancelling"
+            assert stored(state, "SELECT state FROM jobs") == [("cancelling",)]       # it was left "running"
+            assert stored(state, "SELECT state FROM rounds") == [("open",)]    # its close was not committed
+
+            # restarted from the store alone, the others still working: it ends without them (it
+            # resumed the job running, waiting for them)
+            restarted = AggregatorProcess(work, broker.url, None)
+            rc, log = restarted.wait(60)
+    finally:
+        for gate in gates.values():
+            gate.set()
+        for run in (first, restarted):
+            if run is not None and run.proc.poll() is None:
+                run.proc.kill()
+    assert rc == 1 and '"state": "cancelled"' in log, log[-3000:]       # its exit status: the job is not done
+    assert "job job restored: 1 rounds" in log
+    assert stored(state, "SELECT state FROM jobs") == [("cancelled",)]
+    outcome = json.loads(stored(state, "SELECT outcome FROM rounds WHERE round=1 AND state='closed'")[0][0])
+    assert outcome["accepted"] == [answered] and sorted(outcome["dropped"]) == sorted(set(participants) - {answered})
+    assert stored(state, "SELECT round FROM rounds") == [(1,)]             # no round opened after the cancel
+    assert stored(state, "SELECT device FROM contributions") == [(answered,)]
+    results = json.loads((work / "out" / "job" / "results.json").read_text())
+    assert results["state"] == "cancelled" and sorted(results["contributed"]) == [answered]
+    stats = dict(np.load(work / "out" / "job" / "statistics.npz"))
+    A_ref, B_ref = reference_sums([answered])
+    np.testing.assert_allclose(stats["A"], A_ref, rtol=1e-12)
+    np.testing.assert_allclose(stats["B"], B_ref, rtol=1e-12)
+
+
+def serve_until(svc: AggregatorService, done, turns: int = 200) -> None:
+    for _ in range(turns):
+        svc.loop.serve_one()
+        if done():
+            return
+    raise AssertionError("the service never got there")
+
+
+def service(store: Store, broker, out: Path, job: Fed3RJob | None) -> AggregatorService:
+    svc = AggregatorService(job, BrokerConfig.from_url(broker.url), out, ServiceSettings(tick_s=0.01),
+                            enrolled={"d0", "d1"}, store=store)
+    for device in ("d0", "d1"):
+        svc.fleet.presence(device, True, {})
+    return svc
+
+
+def cancelled_mid_round(store: Store, broker, out: Path) -> AggregatorService:
+    """A service whose job has round 1 open (no device answers here), then cancelled by the operator."""
+    cfg = Fed3RConfig(job_id="c", num_classes=3, feature_dim=4, clients_per_round=2, expected_devices=2,
+                      start_timeout_s=0, round_timeout_s=600)
+    svc = service(store, broker, out, Fed3RJob(cfg))
+    serve_until(svc, lambda: svc.active.current is not None)
+    assert svc.control_job("c", "cancel")["state"] == JobState.CANCELLING
+    assert store.job("c")["state"] == JobState.CANCELLING
+    return svc
+
+
+def assert_ended_cancelled(svc: AggregatorService, store: Store) -> None:
+    serve_until(svc, lambda: svc.active.final_state)        # its round (deadline in 10 min) closes at once
+    assert svc.active.final_state == JobState.CANCELLED
+    assert svc._finish_job()["state"] == JobState.CANCELLED
+    assert store.job("c")["state"] == JobState.CANCELLED
+    assert [(r.round, r.state) for r in store.rounds("c")] == [(1, "closed")]
+
+
+def test_a_served_job_rebuilt_after_its_cancel_stays_cancelling(broker, tmp_path):
+    store = Store(tmp_path / "state.db")
+    try:
+        svc = cancelled_mid_round(store, broker, tmp_path / "out")
+        before = svc.active
+        svc._job_broken("a device forgotten")           # rebuilt from the store
+        assert svc.active is not before and svc.active.cancelling
+        svc._update_live(force=True)
+        assert svc.live["job"]["state"] == "cancelling"                # what the admin API's status shows
+        assert_ended_cancelled(svc, store)
+    finally:
+        store.close()
+
+
+def test_a_service_started_again_takes_a_cancelling_job_up_before_a_queued_one(broker, tmp_path):
+    store = Store(tmp_path / "state.db")
+    try:
+        crashed = cancelled_mid_round(store, broker, tmp_path / "out")
+        crashed.writer.close()                                # its process is gone; its store remains
+        store.create_job("later", "fed3r", {**crashed.active.job.config.to_dict(), "job_id": "later"},
+                         state=JobState.QUEUED)
+        svc = service(store, broker, tmp_path / "out", None)     # `aggregator serve --state` with no job
+        assert svc._start_next_job() and svc.active.job_id == "c" and svc.active.cancelling
+        assert_ended_cancelled(svc, store)
+        assert store.job("later")["state"] == JobState.QUEUED
+    finally:
+        store.close()
