@@ -232,9 +232,7 @@ class AggregatorService(OperatorActions):
                 return self._job_broken(f"{reason}, and it cannot be rebuilt: {exc}", stop=True)
             log.warning("job %s: rebuilt from the store after: %s", a.job_id, reason)
             self._activate(job, a.out_dir)
-            # (its cancel is stored too, restored as such: kept here all the same, as its counters are)
             self.active.stats, self.active.started, self.active.close_failures = a.stats, a.started, a.close_failures
-            self.active.cancelling = self.active.cancelling or a.cancelling
             return
         log.error("job %s stopped: %s", a.job_id, reason)
         a.final_state = JobState.STOPPED
