@@ -164,3 +164,26 @@ def test_a_service_started_again_takes_a_cancelling_job_up_before_a_queued_one(b
         assert store.job("later")["state"] == JobState.QUEUED
     finally:
         store.close()
+
+
+def test_a_cancelling_job_that_cannot_be_built_again_ends_cancelled_saying_why(tmp_path):
+    """A cancelling job whose input file is gone by the restart (a FedAvg job started from a Fed3R
+    head) cannot be built: the operator's cancel stands, so it ends cancelled with the reason, not
+    stopped (which a start would take up again); a running one in the same plight stops."""
+    head = tmp_path / "head.npz"
+    np.savez(head, coef=np.zeros((3, 4)), intercept=np.zeros(3))
+    store = Store(tmp_path / "state.db")
+    try:
+        for job_id, state in (("c", JobState.CANCELLING), ("r", JobState.RUNNING)):
+            store.create_job(job_id, "fedavg", {"job_id": job_id, "num_classes": 3, "feature_dim": 4, "init": "fed3r",
+                                                "initial_head_file": str(head)}, state=state)
+        head.unlink()
+        svc = AggregatorService(None, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path / "out",
+                                ServiceSettings(), store=store)
+        assert not svc._start_next_job() and not svc._start_next_job()
+        ended = {job_id: store.job(job_id) for job_id in ("c", "r")}
+        assert ended["c"]["state"] == JobState.CANCELLED and ended["c"]["finished_at"] is not None
+        assert ended["r"]["state"] == JobState.STOPPED
+        assert all("head.npz" in row["summary"]["error"] for row in ended.values()), ended
+    finally:
+        store.close()

@@ -181,6 +181,13 @@ if __name__ == "__main__":
     print(render_table())
 
 
+def unbuildable(state: JobState | str) -> JobState:
+    """What a stored job that cannot be built (its config refused, its input files gone) becomes:
+    cancelled when the operator cancelled it already (``cancelling``: the cancel stands, and there is
+    nothing to finish), else stopped (the operator may mend it and start it again)."""
+    return _CANCELLED if state == _CANCELLING else _STOPPED
+
+
 def job_to_serve(store: Store, held_back: set[str]) -> dict | None:
     """The stored job the service takes up next: an interrupted one (running, paused, cancelling)
     before the oldest queued; none held back (its end could not be committed lately: it waits,

@@ -251,7 +251,7 @@ class AggregatorService(OperatorActions):
             self._activate(job, self.out_dir / row["job_id"])
         except Exception as exc:  # a stored job that cannot be built must not stop the service
             log.error("cannot start job %s: %s", row["job_id"], exc)
-            self.store.set_job_state(row["job_id"], JobState.STOPPED, {"error": str(exc)})
+            self.store.set_job_state(row["job_id"], job_lifecycle.unbuildable(row["state"]), {"error": str(exc)})
             return False
         return True
 
