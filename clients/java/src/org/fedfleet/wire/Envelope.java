@@ -182,6 +182,10 @@ public final class Envelope {
     /** Encode header fields v,type,id,sender,ts,body (+ optional sig) and the tensors, in order. */
     public static byte[] encode(Map<String, Object> fields, List<Tensor> tensors, Signer signer) throws EnvelopeError {
         if (tensors.size() > MAX_TENSORS) throw new EnvelopeError("too many tensors: " + tensors.size());
+        long tensorBytes = 0;       // refused before the payload is copied: no receiver takes more (protocols/envelope.py)
+        for (Tensor t : tensors) tensorBytes += t.data.length;
+        if (tensorBytes > MAX_MESSAGE_BYTES - 8)
+            throw new EnvelopeError("message too large: its tensors alone hold " + tensorBytes + " > " + MAX_MESSAGE_BYTES + " bytes");
         Map<String, Object> h = new LinkedHashMap<>(fields);
         h.remove("sig");
         List<Object> descs = new ArrayList<>();
@@ -202,7 +206,10 @@ public final class Envelope {
         h.put("payload_sha256", hex(sha256(body)));
         if (signer != null) h.put("sig", hex(signer.sign(canonical(h))));
         else if (fields.get("sig") != null) h.put("sig", fields.get("sig"));
-        return frame(h, body);
+        byte[] message = frame(h, body);
+        if (message.length > MAX_MESSAGE_BYTES)
+            throw new EnvelopeError("message too large: " + message.length + " > " + MAX_MESSAGE_BYTES + " bytes");
+        return message;
     }
 
     /** Magic, length and canonical header in front of a payload; no validation (tests use it to forge). */
