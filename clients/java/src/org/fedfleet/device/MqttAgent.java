@@ -5,7 +5,9 @@
 // the DeviceSession and runs the task handlers, so a slow task never blocks the connection; a
 // task's work stops once its round is surely over (WorkDeadline), no result sent. Given the device's
 // state store, it keeps the session's replay guard in the store's folder across restarts
-// (SessionMemoryFile).
+// (SessionMemoryFile). What one message or one task throws is that message's failure, logged with it,
+// and the agent goes on; only a broken VM, ThreadDeath or an interrupt ends its thread, and then
+// cleanly: one log line, presence `offline`, and the cause in stoppedBy() (endsTheLoop).
 package org.fedfleet.device;
 
 import java.io.File;
@@ -75,6 +77,9 @@ public final class MqttAgent implements AutoCloseable {
     private final CallbackConnection connection;
     private final InboxQueue<byte[]> inbox;
     private volatile boolean running;
+    private volatile Throwable stoppedBy;           // why the agent's thread ended on its own (endsTheLoop)
+    private final java.util.concurrent.atomic.AtomicBoolean wentOffline = new java.util.concurrent.atomic.AtomicBoolean();
+    private String inHand = "";                     // the message being handled, for a failure's log line
     private Thread thread;
     public final AtomicInteger tasksDone = new AtomicInteger(), tasksDeclined = new AtomicInteger(),
             tasksSkipped = new AtomicInteger(), reconnects = new AtomicInteger();
@@ -138,6 +143,17 @@ public final class MqttAgent implements AutoCloseable {
     public void close() {
         running = false;
         DeviceConnection.join(thread);
+        goOffline();
+    }
+
+    /** Why the agent's thread ended on its own, or null (running, or ended by close()): an error that
+     *  ends the loop (endsTheLoop) or an interrupt. The device then said `offline` and handles nothing
+     *  more; the application restarts it (a new agent, or the process). */
+    public Throwable stoppedBy() { return stoppedBy; }
+
+    /** Once, by close() or by the agent's end: presence `offline`, then a clean disconnect. */
+    private void goOffline() {
+        if (!wentOffline.compareAndSet(false, true)) return;
         try {
             publish(o.topics.presence(deviceId), presence(false), true, Math.min(o.publishTimeoutS, 5.0));
         } catch (Exception e) {
@@ -197,10 +213,39 @@ public final class MqttAgent implements AutoCloseable {
             byte[] payload;
             try {
                 payload = inbox.poll((long) (o.tickS * 1000));
-            } catch (InterruptedException e) {
+            } catch (InterruptedException e) {     // not close(), which only clears `running`: the application's
+                if (running) stop(e, "its thread was interrupted");
                 return;
             }
-            turn(payload);
+            if (!turn(payload)) return;
+        }
+    }
+
+    /** What ends the agent's loop rather than one step of a turn: a VirtualMachineError other than the
+     *  heap's and the stack's (one task can exhaust those and the next run: an InternalError, an
+     *  UnknownError leave the VM itself in doubt), ThreadDeath, and an InterruptedException thrown
+     *  through a handler (the thread is asked to end). Anything else (an AssertionError, a LinkageError
+     *  of a class loaded lazily, an application's own Error) is the failure of the message in hand, as
+     *  the Python agent's loop ends only for KeyboardInterrupt and SystemExit (protocols/message_loop.py
+     *  ENDS_THE_LOOP). ThreadDeath by name: it is deprecated for removal (JDK 20), and a reference to
+     *  a class that is gone would fail to link just when it is needed. */
+    static boolean endsTheLoop(Throwable t) {
+        return (t instanceof VirtualMachineError && !(t instanceof OutOfMemoryError) && !(t instanceof StackOverflowError))
+                || t instanceof InterruptedException || "java.lang.ThreadDeath".equals(t.getClass().getName());
+    }
+
+    /** The agent's thread ends: said once, loudly, presence `offline` (a device that announced itself
+     *  online and answered nothing, for ever, was what an uncaught Error left), the cause kept for
+     *  the application (stoppedBy). */
+    private void stop(Throwable cause, String what) {
+        stoppedBy = cause;
+        running = false;
+        LOG.log(Level.SEVERE, deviceId + ": the agent stopped (" + what + "): it handles no more messages;"
+                + " the application must restart it (MqttAgent.stoppedBy)", cause);
+        try {
+            goOffline();
+        } catch (Throwable t) {     // a broken VM may fail this too: the log line and stoppedBy stand
+            LOG.log(Level.SEVERE, deviceId + ": could not say offline", t);
         }
     }
 
@@ -208,24 +253,40 @@ public final class MqttAgent implements AutoCloseable {
      *  ends on the clock, each step guarded on its own: one that throws (a bad message, a handler's
      *  bug) skips no other, above all not the expiry, which erases the secrets of SecAgg rounds past
      *  their deadline (in one try, a handler that threw on every turn kept them until it stopped). */
-    void turn(byte[] payload) {
-        if (payload != null) guarded(() -> handleRaw(payload));
-        guarded(() -> execute(session.onTick(monotonic())));
-        guarded(() -> reader.expire(monotonic()));
-        guarded(() -> secagg.expire(System.currentTimeMillis() / 1000.0));     // rounds end at a task's deadline: wall clock
+    /** False: the agent stopped (endsTheLoop), the turn's other steps not taken (none, once stopped). */
+    boolean turn(byte[] payload) {
+        if (stoppedBy != null) return false;
+        if (payload != null) {
+            boolean goesOn = guarded("handling a message", () -> handleRaw(payload));
+            inHand = "";
+            if (!goesOn) return false;
+        }
+        return guarded("the session's tick", () -> execute(session.onTick(monotonic())))
+                && guarded("expiring partial messages", () -> reader.expire(monotonic()))
+                // rounds end at a task's deadline: wall clock
+                && guarded("expiring secure rounds", () -> secagg.expire(System.currentTimeMillis() / 1000.0));
     }
 
-    private void guarded(Runnable step) {
+    private boolean guarded(String what, Runnable step) {
         try {
             step.run();
-        } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {
-            // one bad message or handler bug never stops the device: uncaught, an Error ended this
-            // thread and left a device that announced itself online answering nothing, for ever
-            LOG.log(Level.SEVERE, deviceId + ": unexpected error", e);
+            return true;
+        } catch (Throwable e) {
+            String about = what + (inHand.isEmpty() ? "" : " (" + inHand + ")");
+            if (endsTheLoop(e)) {
+                stop(e, e + ", " + about);
+                return false;
+            }
+            // one bad message or handler bug never stops the device: uncaught, an Error (an
+            // AssertionError, a NoClassDefFoundError) ended this thread and left a device that
+            // announced itself online answering nothing, for ever
+            LOG.log(Level.SEVERE, deviceId + ": unexpected error " + about + "; the agent goes on", e);
+            return true;
         }
     }
 
     private void handleRaw(byte[] payload) {
+        inHand = "not yet decoded";
         try {
             onPayload(payload);
         } catch (EnvelopeError e) {
@@ -237,6 +298,7 @@ public final class MqttAgent implements AutoCloseable {
         InboxReader.Whole got = reader.receive(payload, monotonic());
         if (got == null) return;
         Envelope.Message env = got.message;
+        inHand = cut("a " + env.type() + " message " + env.header.get("id"), MAX_LOGGED_CHARS);
         if ("task".equals(env.type())) {
             Messages.Task task = Messages.parseTask(env);
             String addressee = Messages.taskAddressee(env);
@@ -340,11 +402,12 @@ public final class MqttAgent implements AutoCloseable {
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(w.task.ref, e.getMessage()));
             return;
-        } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {
-            // a handler bug, or a task whose numbers a check missed outgrowing the heap, must not kill
-            // the agent: tell the server (what the task allocated is garbage by now)
-            LOG.log(Level.SEVERE, deviceId + ": task failed", e);
-            execute(session.onWorkFailed(w.task.ref, "error: " + e));
+        } catch (Throwable e) {
+            if (endsTheLoop(e)) throw e;        // the agent's thread ends (guarded): no answer
+            // a handler bug (an Error too: an AssertionError, a class that failed to load), or a task
+            // whose numbers a check missed outgrowing the heap, must not kill the agent: tell the
+            // server (what the task allocated is garbage by now)
+            failed(w.task, "task", e);
             return;
         }
         String id = Messages.newId();
@@ -374,13 +437,18 @@ public final class MqttAgent implements AutoCloseable {
         } catch (TaskDeclined e) {
             execute(session.onWorkFailed(ref, e.getMessage()));
             return;
-        } catch (RuntimeException | OutOfMemoryError | StackOverflowError e) {     // as work()'s
-            LOG.log(Level.SEVERE, deviceId + ": secure task failed", e);
-            execute(session.onWorkFailed(ref, "error: " + e));
+        } catch (Throwable e) {      // as work()'s
+            if (endsTheLoop(e)) throw e;
+            failed(w.task, "secure task", e);
             return;
         }
         tasksDone.incrementAndGet();
         execute(session.onWorkFinished(ref, null, ref.task + ":protocol", false));
+    }
+
+    private void failed(Messages.Task task, String what, Throwable e) {
+        LOG.log(Level.SEVERE, deviceId + ": " + what + " " + task.ref + " (" + task.kind + ") failed; declined, the agent goes on", e);
+        execute(session.onWorkFailed(task.ref, "error: " + e));
     }
 
     /** A handler's work, until the task's deadline plus the session's grace passes by this device's
