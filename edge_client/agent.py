@@ -31,7 +31,7 @@ from protocols.device_inbox import DEVICE_INBOX_BOUND     # the bound: what its 
 from protocols.device_session import (AckArrived, DeviceSession, DeviceState, ResultSent, SendDecline, SendResult,
                                       SkipTask, StartWork, TaskArrived, Tick, WorkFailed, WorkFinished, WorkStopped)
 from protocols.envelope import Envelope, EnvelopeError, encode
-from protocols.message_loop import MessageLoop
+from protocols.message_loop import ENDS_THE_LOOP, MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
 from protocols.payloads.stateful import foreign_job
@@ -203,7 +203,7 @@ class DeviceAgent:
                         "development mode only")
         # what the link receives, handled on the agent's thread (or when a device host pumps it)
         self.loop = MessageLoop(self._handle, self._tick, tick_s, name=f"agent-{device_id}", failed=self._failed,
-                                bound=DEVICE_INBOX_BOUND)
+                                bound=DEVICE_INBOX_BOUND, on_end=self._ended)
         offline = M.presence_message(device_id, "offline")
         # The link is the agent's only I/O: a threaded paho link on a real device, a link on a shared
         # event loop when one process hosts thousands of emulated devices (fedfleet.emulation.host).
@@ -230,6 +230,17 @@ class DeviceAgent:
 
     def stop(self) -> None:
         self.loop.stop()
+        self._go_offline()
+
+    @property
+    def ended_by(self) -> BaseException | None:
+        """What ended the agent's loop on its own (a KeyboardInterrupt, a SystemExit on its thread:
+        ENDS_THE_LOOP), or None; the device then said it is offline and handles nothing more, and the
+        application restarts it (the Java device's MqttAgent.stoppedBy)."""
+        return self.loop.ended_by
+
+    def _ended(self, exc: BaseException) -> None:
+        """The loop ended (logged by it): presence ``offline``, not an online device answering nothing."""
         self._go_offline()
 
     def pump(self) -> None:
@@ -289,7 +300,7 @@ class DeviceAgent:
         self._execute(self.session.handle(Tick(now)))
         self._follow_availability()
 
-    def _failed(self, item: tuple[str, bytes] | None, exc: Exception) -> None:
+    def _failed(self, item: tuple[str, bytes] | None, exc: BaseException) -> None:
         if item is None:        # the device goes on: the tick's next run may succeed (a link back)
             if self._tick_errors.first(f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]):
                 log.error("%s: the tick raised (logged once per error; the agent goes on)", self.device_id,
@@ -459,8 +470,11 @@ class DeviceAgent:
         except TaskDeclined as exc:
             self._execute(self.session.handle(WorkFailed(act.ref, str(exc))))
             return
-        except Exception as exc:  # a handler bug must not kill the agent; tell the server
-            log.exception("%s: task failed", self.device_id)
+        except ENDS_THE_LOOP:
+            raise
+        except BaseException as exc:  # a handler bug (a BaseException of its own too) must not kill the agent; tell the server
+            log.exception("%s: task %s/%d/%s (%s) failed; declined, the agent goes on", self.device_id,
+                          act.ref.job, act.ref.round, act.ref.task, act.kind)
             self._execute(self.session.handle(WorkFailed(act.ref, f"error: {exc}")))
             return
         if secure is None:

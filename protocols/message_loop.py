@@ -10,7 +10,11 @@ single writer and needs no locks. Any other thread (the admin API) runs code on 
 
 What raises in ``handle`` or ``tick`` goes to ``failed(item, exc)`` (``item`` is None for the
 tick), which decides: log and go on (the default: one bad message never stops the loop), or
-re-raise to end the loop. A ``call``'s error always goes back to its caller.
+re-raise to end the loop. That is any BaseException but ENDS_THE_LOOP's (an asyncio
+CancelledError, an application's own BaseException too: they ended the loop's thread, the party
+silent). KeyboardInterrupt and SystemExit end the loop; a loop ended by an exception says so once
+(log), keeps it (:attr:`MessageLoop.ended_by`) and calls ``on_end`` (a device says it is offline).
+A ``call``'s error always goes back to its caller.
 
 The loop runs on a thread of its own (:meth:`start`, :meth:`stop`), or on the caller's, one item
 at a time (:meth:`serve_one`: the service interleaves its job lifecycle between items), or is
@@ -67,6 +71,10 @@ class QueueBound:
             raise ValueError(f"a queue bound needs 0 < source_bytes <= total_bytes, got {self}")
 
 
+# What ends a loop rather than failing the item in hand: the process asked to end (Ctrl-C, a
+# sys.exit on the loop's thread). The Java device's MqttAgent.endsTheLoop is the same in kind.
+ENDS_THE_LOOP = (KeyboardInterrupt, SystemExit)
+
 MESSAGE_OVERHEAD_BYTES = 256   # what a queued message holds beyond its payload (Java's InboxQueue: the same)
 DROP_LOG_S = 10.0            # drops are logged at most once per this (a flood must not flood the log)
 
@@ -74,9 +82,12 @@ DROP_LOG_S = 10.0            # drops are logged at most once per this (a flood m
 class MessageLoop:
     def __init__(self, handle: Callable[[Any], None], tick: Callable[[float], None] | None = None,
                  tick_s: float = 0.2, name: str = "message-loop",
-                 failed: Callable[[Any, Exception], None] | None = None, bound: QueueBound | None = None):
+                 failed: Callable[[Any, BaseException], None] | None = None, bound: QueueBound | None = None,
+                 on_end: Callable[[BaseException], None] | None = None):
         self._handle, self._tick, self.tick_s, self.name = handle, tick, tick_s, name
         self._failed = failed or self.log_failure
+        self._on_end = on_end
+        self.ended_by: BaseException | None = None     # what ended :meth:`run` (None: running, or stopped)
         self._q: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -170,14 +181,34 @@ class MessageLoop:
 
     def start(self) -> "MessageLoop":
         """Serve on a thread of the loop's own until :meth:`stop`."""
-        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self._thread = threading.Thread(target=self._run_own, name=self.name, daemon=True)
         self._thread.start()
         return self
 
     def run(self) -> None:
-        """Serve on this thread until :meth:`stop` (or until ``failed`` re-raises)."""
-        while not self._stopping.is_set():
-            self.serve_one()
+        """Serve on this thread until :meth:`stop` (or until ``failed`` re-raises, or ENDS_THE_LOOP)."""
+        try:
+            while not self._stopping.is_set():
+                self.serve_one()
+        except BaseException as exc:
+            self._ended(exc)
+            raise
+
+    def _run_own(self) -> None:
+        try:
+            self.run()
+        except BaseException:       # said and kept by run (ended_by): the loop's own thread just ends
+            pass
+
+    def _ended(self, exc: BaseException) -> None:
+        self.ended_by = exc
+        log.critical("%s: the loop ended (%s: %s): it handles nothing more", self.name, type(exc).__name__,
+                     str(exc)[:200], exc_info=exc)
+        if self._on_end is not None:
+            try:
+                self._on_end(exc)
+            except Exception:
+                log.exception("%s: on_end raised", self.name)
 
     def serve_one(self) -> None:
         """Handle the next item (waiting at most ``tick_s`` for one), then tick."""
@@ -214,21 +245,27 @@ class MessageLoop:
             if item.result.set_running_or_notify_cancel():
                 try:
                     item.result.set_result(item.fn())
-                except Exception as exc:        # the caller's error (the API makes it a 4xx)
+                except BaseException as exc:    # the caller's error (the API makes it a 4xx)
                     item.result.set_exception(exc)
+                    if isinstance(exc, ENDS_THE_LOOP):
+                        raise
         else:
             try:
                 self._handle(item)
-            except Exception as exc:
+            except ENDS_THE_LOOP:
+                raise
+            except BaseException as exc:
                 self._failed(item, exc)
 
     def _tick_once(self) -> None:
         if self._tick is not None:
             try:
                 self._tick(time.monotonic())
-            except Exception as exc:
+            except ENDS_THE_LOOP:
+                raise
+            except BaseException as exc:
                 self._failed(None, exc)
 
-    def log_failure(self, item: Any, exc: Exception) -> None:
+    def log_failure(self, item: Any, exc: BaseException) -> None:
         what = "the tick" if item is None else repr(item)[:120]
         log.error("%s: %s raised; the loop goes on", self.name, what, exc_info=exc)

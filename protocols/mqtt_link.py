@@ -11,6 +11,8 @@ Works with any MQTT 3.1.1 or 5 broker: the version is part of the broker address
 
 from __future__ import annotations
 
+import functools
+import logging
 import ssl
 import threading
 from collections import deque
@@ -22,8 +24,10 @@ import paho.mqtt.client as mqtt
 
 from .chunking import DEFAULT_CHUNK_SIZE, encode_parts
 from .envelope import Envelope
-from .message_loop import MessageLoop, QueueBound
+from .message_loop import ENDS_THE_LOOP, MessageLoop, QueueBound
 from .topics import role_account
+
+log = logging.getLogger("fedfleet.mqtt")
 
 
 PROTOCOL_VERSIONS = ("5", "3.1.1")
@@ -122,6 +126,23 @@ class BrokerConfig:
         user = f"{self.username}@" if self.username else ""
         scheme = "mqtts" if self.uses_tls else "mqtt"
         return f"{scheme}://{user}{self.host}:{self.port}?version={self.protocol}"
+
+
+def _survives(callback):
+    """A paho callback of the link's that logs what it raises and returns. paho re-raises what a
+    callback raises (``suppress_exceptions`` off) out of its network loop, whose thread then ends and
+    the link with it: no reconnect, nothing received, the party silent with one line on stderr;
+    suppressed, paho logs it nowhere unless given a logger. A link goes on, as its party's loop does
+    (protocols/message_loop.py ENDS_THE_LOOP)."""
+    @functools.wraps(callback)
+    def guarded(self, *args, **kwargs):
+        try:
+            return callback(self, *args, **kwargs)
+        except ENDS_THE_LOOP:
+            raise
+        except BaseException:
+            log.exception("%s: the MQTT link's %s raised; the link goes on", self.client_id, callback.__name__)
+    return guarded
 
 
 class MqttLink:
@@ -251,6 +272,7 @@ class MqttLink:
         return total
 
     # paho callbacks (network thread)
+    @_survives
     def _handle_published(self, client, userdata, mid, reason_code=None, properties=None):
         # paho holds its outgoing-message lock here, so a publish handed over now keeps its place
         # ahead of any publish another thread makes meanwhile
@@ -270,6 +292,7 @@ class MqttLink:
                 self._unacked += 1
             client.publish(topic, payload, qos=1, retain=retain)
 
+    @_survives
     def _handle_connect(self, client, userdata, flags, reason_code, properties=None):
         if reason_code.is_failure:
             self.last_connect_error = str(reason_code)
@@ -279,13 +302,17 @@ class MqttLink:
         self._drain(client)
         for topic, qos in self.subscriptions:
             client.subscribe(topic, qos=qos)
-        if self._on_connect_hook:
-            self._on_connect_hook()
-        self.connected.set()
+        try:
+            if self._on_connect_hook:
+                self._on_connect_hook()
+        finally:            # connected all the same: the hook's error said (_survives), start() not kept waiting
+            self.connected.set()
 
+    @_survives
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties=None):
         self.connected.clear()
 
+    @_survives
     def _handle_message(self, client, userdata, msg):
         self.bytes_received += len(msg.payload)
         self._on_message(msg.topic, msg.payload)
@@ -331,6 +358,6 @@ class LinkWorker(ABC):
     def _tick(self, now: float) -> None:
         """Time passed (``now``: ``time.monotonic()``)."""
 
-    def _failed(self, item: tuple[str, bytes] | None, exc: Exception) -> None:
+    def _failed(self, item: tuple[str, bytes] | None, exc: BaseException) -> None:
         """``_handle(item)`` (``item`` None: ``_tick``) raised ``exc``; re-raise to end the loop."""
         self.loop.log_failure(item, exc)

@@ -1,0 +1,180 @@
+"""What a party's loop and its MQTT link do with what they did not catch before (the Python side
+of tests/test_java_agent_errors.py):
+
+* a task handler's BaseException that is not an Exception (an asyncio CancelledError, an
+  application's own) is that task's failure: declined, and the device's next task runs. It ended
+  the agent's thread (the loop caught Exception only), the device online and answering nothing;
+* KeyboardInterrupt and SystemExit on the agent's thread end its loop cleanly: logged once, kept in
+  ``DeviceAgent.ended_by``, presence ``offline``;
+* a paho callback of the link that raises (its on-connect hook, its on_message) no longer ends
+  paho's network thread, and the link with it (no reconnect, nothing received).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+
+from edge_client.agent import DeviceAgent
+from protocols import messages as M
+from protocols.envelope import decode, encode
+from protocols.message_loop import MessageLoop
+from protocols.mqtt_link import BrokerConfig, MqttLink
+from protocols.topics import AGGREGATOR_ID, Topics
+from deployment_fleet import Sniffer
+from ops_fleet import wait_for
+
+T = Topics()
+
+
+class ApplicationAbort(BaseException):
+    """An application's own BaseException (not an Exception)."""
+
+
+def raising(params, tensors):
+    if params.get("raise") == "cancelled":
+        raise asyncio.CancelledError()
+    if params.get("raise") == "application":
+        raise ApplicationAbort("the application's own")
+    if params.get("raise") == "exit":
+        sys.exit("the application exits from a handler")
+    return {"ok": True}, {}
+
+
+def send_task(sniffer, device, job, params):
+    msg = M.task_message(AGGREGATOR_ID, job, 1, "raising", params, time.time() + 60)
+    sniffer.publish(T.inbox(device), encode(msg))
+    return msg.id
+
+
+def answers(sniffer, device) -> dict[str, object]:
+    """The device's results and declines by task id."""
+    return {env.body["task"]: env for env in map(decode, sniffer.seen.get(T.outbox(device), []))
+            if env.type in (M.RESULT, M.DECLINE)}
+
+
+def presences(sniffer, device) -> list[str]:
+    return [decode(p).body.get("state") for p in sniffer.seen.get(T.presence(device), [])]
+
+
+def online_agent(broker, device):
+    sniffer = Sniffer(broker, [T.outbox(device), T.presence(device)])
+    agent = DeviceAgent(device, BrokerConfig(port=broker.port), {"raising": raising}, tick_s=0.05).start()
+    wait_for(lambda: "online" in presences(sniffer, device), what="the agent online")
+    return agent, sniffer
+
+
+def test_a_handlers_base_exception_is_its_tasks_failure_and_the_next_task_runs(broker):
+    agent, sniffer = online_agent(broker, "dev-base")
+    try:
+        for throw in ("cancelled", "application"):
+            failed = send_task(sniffer, "dev-base", f"job-{throw}", {"raise": throw})
+            after = send_task(sniffer, "dev-base", f"job-after-{throw}", {})
+            wait_for(lambda: {failed, after} <= set(answers(sniffer, "dev-base")), what=f"both answers ({throw})")
+            got = answers(sniffer, "dev-base")
+            assert got[failed].type == M.DECLINE and got[failed].body["reason"].startswith("error: "), got[failed].body
+            assert got[after].type == M.RESULT
+        assert agent.loop.alive and agent.ended_by is None
+        assert (agent.stats.tasks_declined, agent.stats.tasks_done) == (2, 2)
+    finally:
+        agent.stop()
+        sniffer.close()
+
+
+def test_a_system_exit_on_the_agents_thread_ends_it_cleanly(broker, caplog):
+    agent, sniffer = online_agent(broker, "dev-exit")
+    try:
+        with caplog.at_level(logging.CRITICAL, logger="fedfleet.loop"):
+            send_task(sniffer, "dev-exit", "job-exit", {"raise": "exit"})
+            wait_for(lambda: not agent.loop.alive, what="the agent's loop ended")
+            wait_for(lambda: presences(sniffer, "dev-exit")[-1:] == ["offline"], what="presence offline")
+        assert isinstance(agent.ended_by, SystemExit)
+        ended = [r.getMessage() for r in caplog.records if "the loop ended" in r.getMessage()]
+        assert ended == ["agent-dev-exit: the loop ended (SystemExit: the application exits from a handler): "
+                         "it handles nothing more"]
+        assert answers(sniffer, "dev-exit") == {}
+    finally:
+        agent.stop()
+        sniffer.close()
+
+
+def test_the_loop_fails_an_item_for_any_base_exception_and_ends_for_keyboard_interrupt(caplog):
+    seen, failed, ends = [], [], []
+
+    def handle(item):
+        if item == "abort":
+            raise ApplicationAbort("an item's")
+        if item == "interrupt":
+            raise KeyboardInterrupt()
+        seen.append(item)
+
+    loop = MessageLoop(handle, tick_s=0.01, name="t-base", failed=lambda item, exc: failed.append((item, type(exc))),
+                       on_end=ends.append).start()
+    loop.post("abort")
+    loop.post("next")
+    wait_for(lambda: seen == ["next"], what="the item after the failing one")
+    assert failed == [("abort", ApplicationAbort)] and loop.alive
+    try:
+        loop.call(lambda: (_ for _ in ()).throw(ApplicationAbort("a call's")))
+    except ApplicationAbort as exc:     # back to its caller, the loop serving on
+        assert str(exc) == "a call's"
+    assert loop.call(lambda: "still serving") == "still serving"
+    with caplog.at_level(logging.CRITICAL, logger="fedfleet.loop"):
+        loop.post("interrupt")
+        loop.post("never")
+        wait_for(lambda: not loop.alive, what="the loop ended")
+    assert isinstance(loop.ended_by, KeyboardInterrupt) and ends == [loop.ended_by] and seen == ["next"]
+    assert sum("t-base: the loop ended (KeyboardInterrupt" in r.getMessage() for r in caplog.records) == 1
+
+
+def delivered(broker, link: MqttLink, topic: str, got: list) -> None:
+    """Two messages published to ``topic``: the second reaches ``link`` (the first may raise in it)."""
+    sender = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="sender")
+    sender.connect("127.0.0.1", broker.port)
+    sender.loop_start()
+    try:
+        for n in (1, 2):
+            sender.publish(topic, str(n).encode(), qos=1).wait_for_publish(5)
+        wait_for(lambda: b"2" in got, timeout=10, what="the second message received")
+    finally:
+        sender.loop_stop()
+        sender.disconnect()
+
+
+def test_a_link_whose_on_message_raises_goes_on_receiving(broker):
+    got = []
+
+    def on_message(topic, payload):
+        got.append(payload)
+        if payload == b"1":
+            raise ValueError("a party's bug on the network thread")
+
+    link = MqttLink("raising-receiver", BrokerConfig(port=broker.port), on_message, subscriptions=[("t/raise", 1)])
+    link.start(timeout=10)
+    try:
+        delivered(broker, link, "t/raise", got)
+        assert got == [b"1", b"2"]
+    finally:
+        link.stop()
+
+
+def test_a_link_whose_on_connect_hook_raises_is_connected_and_receives(broker):
+    got, hooked = [], threading.Event()
+
+    def hook():
+        hooked.set()
+        raise RuntimeError("presence could not be encoded")
+
+    link = MqttLink("raising-hook", BrokerConfig(port=broker.port), lambda t, p: got.append(p),
+                    subscriptions=[("t/hook", 1)], on_connect=hook)
+    link.start(timeout=10)          # it timed out before: paho's thread ended in the hook, never connected
+    try:
+        assert hooked.is_set() and link.connected.is_set()
+        delivered(broker, link, "t/hook", got)
+    finally:
+        link.stop()
