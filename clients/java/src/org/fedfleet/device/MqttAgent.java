@@ -252,8 +252,8 @@ public final class MqttAgent implements AutoCloseable {
     /** One turn of the agent's thread: the message taken (null: none), the session's tick, then what
      *  ends on the clock, each step guarded on its own: one that throws (a bad message, a handler's
      *  bug) skips no other, above all not the expiry, which erases the secrets of SecAgg rounds past
-     *  their deadline (in one try, a handler that threw on every turn kept them until it stopped). */
-    /** False: the agent stopped (endsTheLoop), the turn's other steps not taken (none, once stopped). */
+     *  their deadline (in one try, a handler that threw on every turn kept them until it stopped).
+     *  False: the agent stopped (endsTheLoop), the turn's other steps not taken (none, once stopped). */
     boolean turn(byte[] payload) {
         if (stoppedBy != null) return false;
         if (payload != null) {
