@@ -41,7 +41,7 @@ from protocols.topics import AGGREGATOR_ID, Topics
 from edge_client.inbox import aggregator_inbox
 from edge_client.session_memory import SESSION_FILE, SessionMemoryFile
 from edge_client.state import DeviceStateStore
-from edge_client.work_deadline import PastDeadline, working_until
+from edge_client.work_deadline import PastDeadline, wall_clock, working_until
 
 log = logging.getLogger("fedfleet.device")
 
@@ -167,8 +167,12 @@ class DeviceAgent:
                  protocol_handlers: dict[str, Any] | None = None,
                  signer: Callable[[bytes], bytes] | None = None,
                  link_factory: Callable[..., MqttLink] = MqttLink,
-                 aggregator_key: bytes | None = None, state: DeviceStateStore | None = None):
+                 aggregator_key: bytes | None = None, state: DeviceStateStore | None = None,
+                 clock: Callable[[], float] = wall_clock):
         self.device_id = device_id
+        # the device's wall clock (unix s): what a task's arrival, its work's end and its protocol
+        # rounds' ends are read on against the aggregator's deadlines (a test sets one ahead)
+        self.clock = clock
         # the device's per-job state (the stateful handlers' store): a job's goes when the aggregator
         # says the job ended (``job.ended`` on the retained Topics.job_ends, signed like its tasks)
         self.state = state
@@ -192,7 +196,7 @@ class DeviceAgent:
         # the session's replay guard outlives the process where the device has a state folder
         self.memory_file = SessionMemoryFile(state.root / SESSION_FILE) if state is not None else None
         if self.memory_file is not None:
-            self.memory_file.load_into(self.session)
+            self.memory_file.load_into(self.session, clock())
         self.stats = AgentStats()
         # With the aggregator's public key (from enrolment) only messages it signed are accepted;
         # without it (open development broker) anything on the inbox is taken: said once, loudly.
@@ -294,7 +298,7 @@ class DeviceAgent:
         # partial chunked messages past their TTL (an aggregator that stopped mid-send, or forged
         # first chunks) would otherwise hold the sender's slots, and refuse its later tasks, for ever
         self.assembler.reassembler.expire()
-        wall = time.time()          # protocol rounds end at a task's deadline: wall-clock time
+        wall = self.clock()         # protocol rounds end at a task's deadline: wall-clock time
         for handler in self._message_handlers:
             handler.expire(wall)
         self._execute(self.session.handle(Tick(now)))
@@ -333,7 +337,7 @@ class DeviceAgent:
                 self._execute([SkipTask(ref, f"addressed to {addressee[:64]!r}, not to this device")])
                 return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
-                                                          received_at=time.time(), sent_at=env.ts)))
+                                                          received_at=self.clock(), sent_at=env.ts)))
         elif self._protocol(env.type, MessageHandler) is not None:
             self._answer(self.protocol_handlers[env.type], env)
         elif env.type == JOB_ENDED:
@@ -445,7 +449,7 @@ class DeviceAgent:
         t0 = time.perf_counter()
         try:
             # the work stops once the round is surely over: the arrival check's moment (work_deadline.py)
-            with working_until(act.deadline + self.session.deadline_grace_s, task=act.ref):
+            with working_until(act.deadline + self.session.deadline_grace_s, task=act.ref, clock=self.clock):
                 if secure is not None:
                     outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
                 else:

@@ -24,13 +24,22 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from protocols.messages import TaskRef
 
 T = TypeVar("T")
 
 _UNTIL: ContextVar[float | None] = ContextVar("fedfleet_work_until", default=None)
+
+
+def wall_clock() -> float:
+    """time.time(), looked up at each call (a test's patched time.time is read too): the clock a
+    device reads by default."""
+    return time.time()
+
+
+_CLOCK: ContextVar[Callable[[], float]] = ContextVar("fedfleet_work_clock", default=wall_clock)
 _TASK: ContextVar[TaskRef | None] = ContextVar("fedfleet_task_at_work", default=None)
 
 
@@ -39,13 +48,14 @@ class PastDeadline(Exception):
 
 
 @contextmanager
-def working_until(unix_s: float, task: TaskRef | None = None):
-    """Run the body's work until ``unix_s`` (the device's clock) at the latest; ``task``: the task
-    it answers (None: none named)."""
-    token, named = _UNTIL.set(float(unix_s)), _TASK.set(task)
+def working_until(unix_s: float, task: TaskRef | None = None, clock: Callable[[], float] = wall_clock):
+    """Run the body's work until ``unix_s`` (the device's clock, read by ``clock``) at the latest;
+    ``task``: the task it answers (None: none named)."""
+    token, named, read_by = _UNTIL.set(float(unix_s)), _TASK.set(task), _CLOCK.set(clock)
     try:
         yield
     finally:
+        _CLOCK.reset(read_by)
         _TASK.reset(named)
         _UNTIL.reset(token)
 
@@ -64,14 +74,17 @@ def task_at_work() -> TaskRef | None:
 def seconds_left() -> float | None:
     """How long the work under way may still run (0 once past its moment); None outside a task."""
     until = _UNTIL.get()
-    return None if until is None else max(0.0, until - time.time())
+    return None if until is None else max(0.0, until - _CLOCK.get()())
 
 
 def stop_if_past() -> None:
     """Raise :class:`PastDeadline` when the work under way has run past its moment."""
     until = _UNTIL.get()
-    if until is not None and time.time() > until:
-        raise PastDeadline(f"its deadline passed during the work ({time.time() - until:.1f} s past it and the grace)")
+    if until is None:
+        return
+    now = _CLOCK.get()()
+    if now > until:
+        raise PastDeadline(f"its deadline passed during the work ({now - until:.1f} s past it and the grace)")
 
 
 def sleep_within(seconds: float) -> None:
@@ -79,10 +92,10 @@ def sleep_within(seconds: float) -> None:
     :class:`PastDeadline`: an emulated slower device's extra compute time (fedfleet/emulation),
     which a real device would spend inside its training loop, stops with its round too."""
     until = _UNTIL.get()
-    if until is None or time.time() + seconds <= until:
+    if until is None or _CLOCK.get()() + seconds <= until:
         time.sleep(max(0.0, seconds))
         return
-    time.sleep(max(0.0, until - time.time()))
+    time.sleep(max(0.0, until - _CLOCK.get()()))
     stop_if_past()
     raise PastDeadline("its deadline passed during the work")
 

@@ -371,19 +371,22 @@ class RecordingService:
 
 
 def start_secure_fedavg_agents(broker_url: str, identities: dict, aggregator_key: bytes, kind: str,
-                               tasks: dict) -> list:
+                               tasks: dict, clocks: dict | None = None) -> list:
     """One started DeviceAgent per device that answers ``kind`` (fedavg.secure / fedavg.tail.secure)
-    by masking what its plain FedAvg-family handler ``tasks[device]`` trained."""
+    by masking what its plain FedAvg-family handler ``tasks[device]`` trained; ``clocks``: a
+    device's own wall clock (e.g. one running ahead), the host's for the others."""
     from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
     from edge_client.tasks.secure_update import SecAggSessions
+    from edge_client.work_deadline import wall_clock
     from protocols.payloads.secagg import SECAGG_TYPE
 
     agents = []
     for device, task in tasks.items():
-        sessions = SecAggSessions(device)
+        clock = (clocks or {}).get(device, wall_clock)
+        sessions = SecAggSessions(device, clock=clock)
         secure = SecureFedAvgTraining(identities[device], aggregator_key, task, sessions, kind=kind)
         agents.append(DeviceAgent(device, BrokerConfig.from_url(broker_url), {},
-                                  protocol_handlers={kind: secure, SECAGG_TYPE: sessions}).start())
+                                  protocol_handlers={kind: secure, SECAGG_TYPE: sessions}, clock=clock).start())
     return agents
 
 
