@@ -54,6 +54,8 @@ def render_metrics(store, service=None) -> str:
                    [(labels, stats["duplicates"])])
         out.metric("fedfleet_job_late_total", "counter", "Results that arrived after their round closed.",
                    [(labels, stats["late"])])
+        out.metric("fedfleet_job_devices_clock_ahead", "gauge", "Devices the active job no longer asks: their "
+                   "decline said their clock runs ahead of the aggregator's.", [(labels, job.get("clock_ahead", 0))])
         rejections = {**(live.get("stats") or {}).get("rejections", {})}
         for reason, n in stats["rejections"].items():
             rejections[reason] = rejections.get(reason, 0) + n

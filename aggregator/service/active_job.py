@@ -16,6 +16,7 @@ from typing import Any
 from protocols.rounds import RoundClosed, RoundCoordinator
 
 from aggregator.service.canonical import AppliedContributions
+from aggregator.service.clock_ahead import ClockAhead
 from aggregator.service.closed_rounds import ClosedRounds
 from aggregator.jobs.base import Job
 from aggregator.jobs.recent_log import RecentLog
@@ -92,6 +93,7 @@ class ActiveJob:
     cancelling: bool = False                    # cancelled by the operator (stored: cancelling): over after its open round
     final_state: str | None = None              # done | cancelled once the job is over
     quarantined: set[str] = field(default_factory=set)   # devices whose contribution broke the job: not asked again
+    clock_ahead: ClockAhead = field(default_factory=ClockAhead)   # devices whose decline said so: not asked again
     applied: AppliedContributions = field(default_factory=AppliedContributions)   # what the live job summed, in order
     uncommitted: str | None = None      # what the live job holds that its commit failed to store: publish nothing
     close_failures: int = 0             # round closes whose commit failed in a row (kept across rebuilds)
@@ -105,6 +107,11 @@ class ActiveJob:
     def shown_state(self) -> str:
         """The state the operator sees: its end once over, else cancelling, running or paused (as the store's)."""
         return self.final_state or (JobState.CANCELLING if self.cancelling else self.state)
+
+    def drawable(self, devices: set[str]) -> set[str]:
+        """Those of ``devices`` the job may still ask: neither quarantined (or forgotten) nor one whose
+        own decline said its clock runs ahead (``clock_ahead.py``)."""
+        return devices.difference(self.quarantined, self.clock_ahead.rounds)
 
     def let_go(self, round_: int, now: float) -> None:
         """Drop a closed round's machine and bookkeeping once its close is committed, keeping what
@@ -130,4 +137,7 @@ class ActiveJob:
         refused = self.job.secure_refusals(closed.round) if self.job.secure_rounds else None
         if refused:                  # members the group left out, each with why (a copied key)
             entry["secure_refused"] = refused
+        ahead = self.clock_ahead.declined_in(closed.round)
+        if ahead:                    # declined saying their clock runs ahead: not asked again in this job
+            entry["clock_ahead"] = ahead
         return entry

@@ -76,7 +76,7 @@ class AsyncJobRunner(JobRunner):
         if a.job.finished(set(), set()):
             a.final_state = JobState.DONE
             return
-        idle = (self.fleet.eligible_online() - a.quarantined - self.backoff.waiting(now)
+        idle = (a.drawable(self.fleet.eligible_online()) - self.backoff.waiting(now)
                 - {d for c in self._open.values() for d in c.participants})
         for device in a.job.next_dispatches(idle):
             a.job.open_dispatch(device)

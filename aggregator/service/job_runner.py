@@ -154,8 +154,8 @@ class JobRunner:
             return
         if a.state == JobState.PAUSED or not self._ready_to_start():
             return
-        online = self.fleet.eligible_online() - a.quarantined
-        reachable = self.fleet.reachable(self.offline_grace_s) - a.quarantined
+        online = a.drawable(self.fleet.eligible_online())
+        reachable = a.drawable(self.fleet.reachable(self.offline_grace_s))
         if a.job.secure_rounds:
             online, reachable = online - a.job.culprits, reachable - a.job.culprits
             a.job.note_reachable(reachable)
@@ -174,11 +174,8 @@ class JobRunner:
                 if self.store is not None:
                     self.store.add_round_event(a.job_id, round_, act.device, event, act.reason)
                 self.events.write(event, round_, device=act.device, reason=act.reason)
-                if isinstance(act, RecordDeclined) and a.job.secure_rounds and a.job.secure_round_live(round_):
-                    # a member that declined its task sends nothing more to the group: its phase
-                    # stops waiting for it now, as for one gone offline (it held the whole group
-                    # for the phase's timeout, every round a device declined)
-                    self._secure_member_gone(act.device)
+                if isinstance(act, RecordDeclined):
+                    self._declined(act, round_)
             elif isinstance(act, RefuseTask):     # e.g. an older run's late result: logged, counted, not recorded
                 a.stats.reject("unknown task")
                 log.warning("rejected message from %s: unknown task: %s", act.device, act.reason)
@@ -195,6 +192,19 @@ class JobRunner:
                 self._close_round(act)
                 if self.rebuilt:
                     return                  # its close could not be committed: the job was rebuilt
+
+    def _declined(self, act: RecordDeclined, round_: int) -> None:
+        a = self.a
+        if a.job.secure_rounds and a.job.secure_round_live(round_):
+            # a member that declined its task sends nothing more to the group: its phase stops
+            # waiting for it now, as for one gone offline (it held the whole group for the phase's
+            # timeout, every round a device declined)
+            self._secure_member_gone(act.device)
+        if a.clock_ahead.note_decline(act.device, act.reason, round_):
+            # it skips the job's later tasks in silence: drawn again, each round would wait for it
+            log.warning("job %s: device %s declined round %d saying its clock runs ahead: not asked again "
+                        "in this job", a.job_id, act.device, round_)
+            self.events.write("clock_ahead", round_, device=act.device)
 
     def _send_ack(self, act: SendAck, round_: int) -> None:
         a = self.a

@@ -34,6 +34,7 @@ from aggregator.jobs.privacy_fields import PrivacyBudgetFields
 from aggregator.jobs.recent_log import RecentLog
 from aggregator.service.active_job import ActiveJob, ServiceStats
 from aggregator.service.canonical import hand_round_sum
+from aggregator.service.clock_ahead import CLOCK_AHEAD_DECLINES, ClockAhead
 from aggregator.service.sealed_draws import SealedDraws
 from aggregator.storage.store import FINAL_JOB_STATES, Store, StoreError
 from aggregator.storage.schema import JobState
@@ -86,6 +87,8 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     a.history = RecentLog(store.evaluations(a.job_id))
     # quarantined and forgotten devices are never asked again
     a.quarantined = {q["device"] for q in store.quarantined(a.job_id)} | set(store.forgotten(a.job_id))
+    # nor are those whose decline said their clock runs ahead (clock_ahead.py): their recorded declines
+    a.clock_ahead = ClockAhead(store.first_declines(a.job_id, CLOCK_AHEAD_DECLINES))
     if row["state"] in FINAL_JOB_STATES:
         a.final_state = row["state"]
     elif row["state"] == JobState.PAUSED:

@@ -58,6 +58,8 @@ def live_snapshot(a: ActiveJob | None, fleet: Fleet, stats: dict) -> dict:
                    "accuracy": a.history[-1].get("accuracy") if a.history else None,
                    "privacy": a.history[-1].get("privacy") if a.history else None,
                    "stats": a.stats.to_dict(), "current_round": current,
+                   # devices not asked again: their decline said their clock runs ahead (a count: bounded)
+                   "clock_ahead": len(a.clock_ahead),
                    # why no round opens (a DP pool too small, ...): while it could open one only
                    "waiting": a.job.waiting if coord is None and a.shown_state == JobState.RUNNING else None}
     return snap
@@ -112,6 +114,7 @@ def job_summary(a: ActiveJob, state: str, final_eval: dict, bytes_out: int) -> d
         "rejections": dict(a.stats.rejections),
         "late": a.stats.late,
         "duplicates": a.stats.duplicates,
+        "clock_ahead": sorted(a.clock_ahead.rounds),     # not asked again: their decline said their clock runs ahead
         "wall_s": time.time() - a.started_at,
     }
 
