@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
+from aggregator.jobs.registry import build_job
 from aggregator.service.loop import AggregatorService
 from aggregator.service.settings import ServiceSettings
 from aggregator.storage.schema import JobState
@@ -185,5 +186,48 @@ def test_a_cancelling_job_that_cannot_be_built_again_ends_cancelled_saying_why(t
         assert ended["c"]["state"] == JobState.CANCELLED and ended["c"]["finished_at"] is not None
         assert ended["r"]["state"] == JobState.STOPPED
         assert all("head.npz" in row["summary"]["error"] for row in ended.values()), ended
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("cancelled", [True, False])
+def test_a_served_job_that_cannot_be_rebuilt_ends_as_a_restart_would_end_it(broker, tmp_path, cancelled):
+    """The served job must be rebuilt from the store (a device forgotten), but its input file is
+    gone: a cancelling one ends cancelled with the reason, as it does at a restart
+    (``GivenUp``): the operator's cancel stands, and its end reports its record only, no model
+    made from the state it was given up in (the old code stopped it, which a start would take up
+    again, and wrote its model's files); a running one stops, as before."""
+    head = tmp_path / "head.npz"
+    np.savez(head, coef=np.ones((3, 4)), intercept=np.zeros(3))
+    store = Store(tmp_path / "state.db")
+    try:
+        job = build_job("fedavg", {"job_id": "c", "num_classes": 3, "feature_dim": 4, "init": "fed3r",
+                                   "initial_head_file": str(head), "clients_per_round": 2, "expected_devices": 2,
+                                   "start_timeout_s": 0, "round_timeout_s": 600})
+        svc = service(store, broker, tmp_path / "out", job)
+        serve_until(svc, lambda: svc.active.current is not None)
+        if cancelled:
+            assert svc.control_job("c", "cancel")["state"] == JobState.CANCELLING
+        a = svc.active
+        head.unlink()
+        svc._job_broken("device d1 forgotten")
+        assert svc.active is a                          # not rebuilt
+        row = store.job("c")
+        assert "device d1 forgotten, and it cannot be rebuilt" in row["summary"]["error"]
+        assert "head.npz" in row["summary"]["error"]
+        if not cancelled:
+            assert row["state"] == a.final_state == JobState.STOPPED
+            return
+        assert row["state"] == a.final_state == JobState.CANCELLED and row["finished_at"] is not None
+        svc._update_live(force=True)
+        assert svc.live["job"]["state"] == "cancelled"                 # what the admin API's status shows
+        summary = svc._finish_job()
+        assert summary["state"] == JobState.CANCELLED and summary["error"] == row["summary"]["error"]
+        assert store.job("c")["state"] == JobState.CANCELLED
+        assert not any(m["final"] for m in store.models("c"))
+        out = tmp_path / "out"
+        saved = json.loads((out / "results.json").read_text())
+        assert saved["state"] == "cancelled" and saved["error"] == row["summary"]["error"]
+        assert not (out / "model.npz").exists() and not (out / "statistics.npz").exists()
     finally:
         store.close()

@@ -169,3 +169,69 @@ def test_a_cancelled_job_whose_end_raises_stays_cancelled_with_the_error_in_its_
     saved = json.loads((a.out_dir / "results.json").read_text())
     assert saved["state"] == JobState.CANCELLED and saved["error"] == reason
     assert not (a.out_dir / "model.npz").exists()
+
+
+def test_a_service_restarted_within_every_wait_counts_its_jobs_end_failures_on(broker, tmp_path, monkeypatch):
+    """Each service here is a process started again (its own waits and counts, the store shared),
+    as a service that crashes or is restarted within every retry's wait: the third try in a row,
+    whichever process makes it, ends the job failed. The count was the process's: every restart
+    tried from 0, so the job stayed running in the store, tried for ever."""
+    store = Store(tmp_path / "state.db")
+    tries = end_that_raises(monkeypatch, OSError("disk I/O error"))
+    settings = ServiceSettings(evaluate_every_contribution=False, end_attempts=3)
+    for started in (1, 2, 3):
+        result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60, settings=settings)
+        assert "raised" not in result and len(tries) == started
+        if started < 3:                                 # tried again: nothing of it published
+            assert result == {} and store.job("dp-end")["state"] == "running"
+            assert store.job("dp-end")["end_failures"] == started
+    reason = "the job could not end after 3 attempts: OSError: disk I/O error"
+    row = store.job("dp-end")
+    assert row["state"] == "failed" and row["summary"]["error"] == reason and store.models("dp-end") == []
+    assert result["state"] == "failed" and result["error"] == reason
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["error"] == reason
+
+
+def test_a_store_that_cannot_take_the_final_model_fails_the_job_with_its_record(broker, tmp_path):
+    """The commit of the job's final state is part of its end: a store that cannot run its statement
+    (here its models table is gone: SQLITE_ERROR, which never mends) fails the job at once, its
+    record committed without the model. It used to raise out of the service's run (and out of its
+    ``finally``, which finished the job again), leaving the job running in the store for every
+    restart to end again the same way."""
+    store = Store(tmp_path / "state.db")
+    store.db.execute("DROP TABLE models")       # a damaged store; no round of this job stores a model version
+    result, _ = serve_with_store(broker, tmp_path / "out", store, timeout=60)
+    reason = "the job cannot end: OperationalError: no such table: models"
+    assert "raised" not in result and result["state"] == "failed" and result["error"] == reason
+    row = store.job("dp-end")
+    assert row["state"] == "failed" and row["summary"]["error"] == reason and row["end_failures"] == 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["state"] == "failed" and saved["error"] == reason
+    assert not (tmp_path / "out" / "model.npz").exists() and not (tmp_path / "out" / "statistics.npz").exists()
+
+
+def test_a_job_whose_record_cannot_be_committed_either_is_tried_again(tmp_path, monkeypatch):
+    """A cancelled job is not tried again for its end: its record is committed at once, without
+    the model. Where the store cannot commit even that (its disk fails), nothing of the job is
+    published and it stays as stored (cancelling: taken up again after a wait or a restart, its
+    failure counted); the error used to raise out of ``finish``, and out of the service's loop."""
+    store = Store(tmp_path / "state.db")
+    runner = one_result_runner(tmp_path, store)
+    a = runner.a
+    control_job(store, a, a.job_id, "cancel")
+    runner.tick(time.monotonic())                   # its open round closes,
+    runner.tick(time.monotonic())                   # then the job is over
+    assert a.final_state == JobState.CANCELLED
+    commits = []
+
+    def finish_job(self, job_id, state, summary, counters, final_model, metrics, round_):
+        commits.append(final_model is not None)
+        raise OSError("disk I/O error")
+
+    monkeypatch.setattr(Store, "finish_job", finish_job)
+    assert runner.finish() == {}
+    assert commits == [True, False]                 # with its model, then its record only
+    assert a.uncommitted == "the job's end"         # the service takes it up again (after a wait)
+    row = store.job(a.job_id)
+    assert row["state"] == JobState.CANCELLING and row["end_failures"] == 1
+    assert not (a.out_dir / "results.json").exists()

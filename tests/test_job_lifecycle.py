@@ -9,8 +9,9 @@ import pytest
 
 from protocols.transition_table import IllegalTransition
 
-from aggregator.service.job_lifecycle import (OPERATOR_EVENTS, CancelAfterRound, JobLifecycle, PickedUp, ServeAs,
-                                              StoreState, control_job, render_table, take_up)
+from aggregator.service.job_lifecycle import (OPERATOR_EVENTS, CancelAfterRound, EndServed, GivenUp, JobLifecycle,
+                                              PickedUp, RecordOnly, ServeAs, StoreState, control_job, give_up,
+                                              render_table, take_up)
 from aggregator.storage.schema import FINAL_JOB_STATES, JobState
 from aggregator.storage.store import Store, StoreError
 
@@ -51,9 +52,46 @@ def test_a_served_job_pauses_resumes_and_cancels_after_its_round():
     assert m.state is JobState.CANCELLING
 
 
+# What the service's giving a job up leaves (it cannot go on, nor be built again), as the guide says:
+# stopped, to be started again once mended; but a job the operator cancelled ends cancelled.
+GIVEN_UP = {"queued": "stopped", "running": "stopped", "paused": "stopped", "cancelling": "cancelled"}
+
+
+@pytest.mark.parametrize("state", [s.value for s in JobState])
+def test_a_job_given_up_stops_unless_its_operator_cancelled_it(state):
+    for served in (False, True) if state in ("running", "paused", "cancelling") else (False,):
+        machine = JobLifecycle(state, served=served)
+        if state not in GIVEN_UP:
+            with pytest.raises(IllegalTransition):
+                machine.handle(GivenUp("its input file is gone"))
+            continue
+        ended = JobState(GIVEN_UP[state])
+        served_end = [EndServed(ended)] + [RecordOnly("its input file is gone")] * (ended == "cancelled")
+        assert machine.handle(GivenUp("its input file is gone")) == \
+            [StoreState(ended, "its input file is gone")] + served_end * served
+        assert machine.state == ended
+
+
+def test_giving_up_through_the_store(tmp_path):
+    store = Store(tmp_path / "state.db")
+    try:
+        for job_id, state in (("c", "cancelling"), ("r", "running")):
+            store.create_job(job_id, "fed3r", {"job_id": job_id}, state=JobState(state))
+        served = SimpleNamespace(job_id="c", final_state=None, record_only=None)
+        assert give_up(store, "c", "cancelling", "its state broke", served) == "cancelled"
+        assert (served.final_state, served.record_only) == ("cancelled", "its state broke")
+        assert give_up(store, "r", "running", "its input file is gone") == "stopped"
+        assert {j["job_id"]: (j["state"], j["summary"]) for j in store.jobs()} == {
+            "c": ("cancelled", {"error": "its state broke"}), "r": ("stopped", {"error": "its input file is gone"})}
+        with pytest.raises(IllegalTransition):
+            give_up(store, "r", "stopped", "again")
+    finally:
+        store.close()
+
+
 def test_final_states_have_no_way_out():
     for state in FINAL_JOB_STATES:
-        for event in (*OPERATOR_EVENTS.values(), PickedUp):
+        for event in (*OPERATOR_EVENTS.values(), PickedUp, lambda: GivenUp("why")):
             with pytest.raises(IllegalTransition):
                 JobLifecycle(state, served=False).handle(event())
 

@@ -197,3 +197,31 @@ def test_job_config_validation_accepts_defaults_and_full_configs():
     validate_job_config("fed3r", Fed3RConfig(random_features={"seed": 1, "dim": 64, "sigma": 2.0}).to_dict())
     with pytest.raises(ValueError, match="unknown job kind"):
         validate_job_config("fedavg-nope", {})
+
+
+def test_a_jobs_end_failures_are_counted_in_its_row_and_afresh_once_it_is_queued_again(tmp_path):
+    """``jobs.end_failures`` (schema version 4): a version 3 store (its jobs table made before the
+    column) gains it at 0 when opened; each failed try of a job's end counts one more, kept across
+    opens of the store; queued again (the operator starts a stopped job), the job counts afresh."""
+    path = tmp_path / "state.db"
+    Store(path).close()
+    db = sqlite3.connect(path, isolation_level=None)        # the jobs table as version 3 made it
+    db.executescript("BEGIN; ALTER TABLE jobs DROP COLUMN end_failures; "
+                     "UPDATE meta SET value='3' WHERE key='schema_version'; "
+                     "INSERT INTO jobs (job_id, kind, config, state, created_at, updated_at) "
+                     "VALUES ('old', 'fed3r', '{}', 'running', 1.0, 1.0); COMMIT;")
+    db.close()
+    store = Store(path)
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
+    assert store.job("old")["end_failures"] == 0
+    assert [store.count_end_failure("old") for _ in range(3)] == [1, 2, 3]
+    store.close()
+    store = Store(path)
+    assert store.job("old")["end_failures"] == 3            # a restart counts on
+    store.set_job_state("old", "stopped", {"error": "its input file is gone"})
+    assert store.job("old")["end_failures"] == 3
+    store.set_job_state("old", "queued")
+    assert store.job("old")["end_failures"] == 0 and store.count_end_failure("old") == 1
+    with pytest.raises(StoreError, match="no job 'nobody'"):
+        store.count_end_failure("nobody")
+    store.close()

@@ -97,7 +97,10 @@ class ActiveJob:
     applied: AppliedContributions = field(default_factory=AppliedContributions)   # what the live job summed, in order
     uncommitted: str | None = None      # what the live job holds that its commit failed to store: publish nothing
     close_failures: int = 0             # round closes whose commit failed in a row (kept across rebuilds)
-    end_failures: int = 0               # tries of its end that failed in a row before this one (the service's count)
+    # tries of its end that failed in a row before this one: the store's count (kept across restarts), or
+    # this service's where the store could not count one (service/end_failures.py)
+    end_failures: int = 0
+    record_only: str | None = None      # why its end reports its record only (given up while cancelling: job_lifecycle)
 
     @property
     def job_id(self) -> str:

@@ -13,7 +13,13 @@ running in the store and the service takes it up again after a growing wait (``s
   schema, not its state: permanent. Locked, busy, full or failing (every other code) may mend;
 * a transient failure ends the job once it has failed ``end_attempts`` times in a row
   (``ServiceSettings.end_attempts``), saying so and naming the last error: before, a disk that never
-  mended had the service rebuild and end the job once a minute for ever.
+  mended had the service rebuild and end the job once a minute for ever. The count is the job's row's
+  (``jobs.end_failures``, ``JobRunner._tried_again``), so a service restarted within every wait
+  counts on (it counted from 0 in each process, and tried for ever); the service's own count
+  stands in where the store could not count one.
+
+The commit of the job's final state (``Store.finish_job``) is part of its end: a store failing there
+is sorted the same way (a failing store used to raise out of the service's loop).
 """
 
 from __future__ import annotations

@@ -5,12 +5,14 @@ Theory of operation. A job's state lives in the store (``JobState``, one enum; t
 any other value). :class:`JobLifecycle` is built from that stored state and one fact about the
 process — whether this service is serving the job right now — and is fed one event: an operator
 action (:class:`Start`, :class:`Pause`, :class:`Resume`, :class:`Cancel`) or the service taking a
-queued job up (:class:`PickedUp`). It answers with actions, which the adapter
-(:func:`control_job`, on the service thread: the store's single writer) carries out in order:
+queued job up (:class:`PickedUp`), or giving one up (:class:`GivenUp`: it cannot go on, nor be
+built again). It answers with actions, which the adapter (:func:`control_job`, :func:`give_up`, on
+the service thread: the store's single writer) carries out in order:
 :class:`StoreState` writes the state, :class:`ServeAs` switches the served job between running and
 paused, :class:`CancelAfterRound` lets the served job finish its open round first (stored as
 ``cancelling`` beforehand, so that a service restarted meanwhile ends it cancelled too, rather than
-resuming it running). An action the
+resuming it running), :class:`EndServed` ends the served job (:class:`RecordOnly`: its end reports
+its record only, nothing made from the state it was given up in). An action the
 table has no row for in the stored state is refused (:class:`IllegalTransition`, the API's 409)
 before anything changes. ``python -m aggregator.service.job_lifecycle`` prints the table that
 docs/operations.md shows (a test keeps the two equal).
@@ -63,6 +65,13 @@ class PickedUp:
     """Service: the oldest queued job is now served."""
 
 
+@dataclass(frozen=True)
+class GivenUp:
+    """Service: the job cannot go on, nor be built again (its config refused, an input file gone, its
+    state broken while served: ``AggregatorService._job_broken``); ``reason`` says why."""
+    reason: str
+
+
 OPERATOR_EVENTS = {"start": Start, "pause": Pause, "resume": Resume, "cancel": Cancel}
 
 
@@ -70,6 +79,20 @@ OPERATOR_EVENTS = {"start": Start, "pause": Pause, "resume": Resume, "cancel": C
 @dataclass(frozen=True)
 class StoreState:
     state: JobState
+    error: str | None = None        # stored in the job's summary: why
+
+
+@dataclass(frozen=True)
+class EndServed:
+    """The served job is over, in this state (the service finishes it: ``JobRunner.finish``)."""
+    state: JobState
+
+
+@dataclass(frozen=True)
+class RecordOnly:
+    """The served job's end reports its record only, saying ``reason``: no model, nothing made from
+    the state it was given up in."""
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -102,6 +125,16 @@ class JobLifecycle:
         return [StoreState(_CANCELLING), CancelAfterRound()]
 
 
+def _given_up(state: JobState, served: bool):
+    """A GivenUp row's effect: store `state` with the reason (and end the served job in it; a
+    cancelled one with its record only: the operator asked for its end, not for a model of it)."""
+    def effect(machine: JobLifecycle, ev: GivenUp) -> list:
+        machine.state = state
+        ending = [EndServed(state), *([RecordOnly(ev.reason)] if state == _CANCELLED else [])] if served else []
+        return [StoreState(state, ev.reason), *ending]
+    return effect
+
+
 def _to(state: JobState, *serve: JobState):
     """A row's effect: store `state` (and switch the served job to `serve`)."""
     def effect(machine: JobLifecycle, _ev) -> list:
@@ -129,6 +162,15 @@ LIFECYCLE_TABLE = TransitionTable(JobState, [
       for state in (_RUNNING, _PAUSED, _CANCELLING)),
     *(Transition(state, Cancel, "", _to(_CANCELLED), (StoreState,), (_CANCELLED,))
       for state in (_CREATED, _QUEUED, _RUNNING, _PAUSED, _CANCELLING, _STOPPED)),
+    # the service gives a job up: stopped (to be started again once mended), but the operator's cancel stands
+    *(Transition(state, GivenUp, _SERVED, _given_up(_STOPPED, served=True), (StoreState, EndServed), (_STOPPED,),
+                 guard=_L._is_served) for state in (_RUNNING, _PAUSED)),
+    Transition(_CANCELLING, GivenUp, _SERVED, _given_up(_CANCELLED, served=True), (StoreState, EndServed, RecordOnly),
+               (_CANCELLED,), note="the cancel stands: its record only, no model", guard=_L._is_served),
+    *(Transition(state, GivenUp, "", _given_up(_STOPPED, served=False), (StoreState,), (_STOPPED,),
+                 note="started again once mended") for state in (_QUEUED, _RUNNING, _PAUSED)),
+    Transition(_CANCELLING, GivenUp, "", _given_up(_CANCELLED, served=False), (StoreState,), (_CANCELLED,),
+               note="the cancel stands"),
 ])
 assert all(row.state is not ANY for row in LIFECYCLE_TABLE.rows)   # every state is named: a final state has no row
 
@@ -167,25 +209,32 @@ def take_up(store: Store, job_id: str) -> None:
     apply_actions(store, None, job_id, JobLifecycle(store.job(job_id)["state"], served=False).handle(PickedUp()))
 
 
-def apply_actions(store: Store, active: ActiveJob | None, job_id: str, actions: list) -> None:
+def give_up(store: Store | None, job_id: str, state: JobState | str, reason: str,
+            served: ActiveJob | None = None) -> JobState:
+    """The service cannot go on with the job `job_id`, stored in `state` (nor build it again):
+    end it as the table says, the reason stored; the state it ends in."""
+    machine = JobLifecycle(state, served=served is not None)
+    apply_actions(store, served, job_id, machine.handle(GivenUp(reason)))
+    return machine.state
+
+
+def apply_actions(store: Store | None, active: ActiveJob | None, job_id: str, actions: list) -> None:
     for act in actions:
         if isinstance(act, StoreState):
-            store.set_job_state(job_id, act.state)
+            if store is not None:                   # a job served without a store: its state is the served one's
+                store.set_job_state(job_id, act.state, {"error": act.error} if act.error else None)
         elif isinstance(act, ServeAs):
             active.state = act.state
+        elif isinstance(act, EndServed):
+            active.final_state = act.state
+        elif isinstance(act, RecordOnly):
+            active.record_only = act.reason
         else:                                        # CancelAfterRound
             active.cancelling = True
 
 
 if __name__ == "__main__":
     print(render_table())
-
-
-def unbuildable(state: JobState | str) -> JobState:
-    """What a stored job that cannot be built (its config refused, its input files gone) becomes:
-    cancelled when the operator cancelled it already (``cancelling``: the cancel stands, and there is
-    nothing to finish), else stopped (the operator may mend it and start it again)."""
-    return _CANCELLED if state == _CANCELLING else _STOPPED
 
 
 def job_to_serve(store: Store, held_back: set[str]) -> dict | None:

@@ -486,18 +486,19 @@ class JobRunner:
 
     def finish(self) -> dict:
         """Write the job's outputs; with a store, commit its final state first (once). A job whose
-        end raises (its re-sum, finalize, its finalized state's commit, final evaluation or model) is
-        taken up again later while the failure may mend (``service/end_failures.py``), else ends
-        failed, saying why (a cancelled one stays cancelled): as a round close that raises, it stops
-        its job, never the service (no crash loop)."""
+        end raises (its re-sum, finalize, its finalized state's commit, final evaluation or model, the
+        commit of its final state) is taken up again later while the failure may mend
+        (``service/end_failures.py``), else ends failed, saying why (a cancelled one stays
+        cancelled), its record only: as a round close that raises, it stops its job, never the
+        service (no crash loop). A job given up while cancelling (``record_only``) reports its record only."""
         a = self.a
         # a write failed (a result's, a round's close): the job stays running in the store, which
-        # resumes it; nothing made from the uncommitted state leaves the process
-        if not self.flush_writes() or a.uncommitted is not None:
+        # resumes it; nothing made from the uncommitted state leaves the process (nor from a given-up one's)
+        if a.record_only is None and (not self.flush_writes() or a.uncommitted is not None):
             return {}
         state = a.final_state or JobState.STOPPED
         row = self.store.job(a.job_id) if self.store is not None else None
-        failure = None
+        failure = a.record_only
         if state == JobState.DONE:                     # ran out of work: done only if some device contributed
             state, failure = judged_state(a, self.store)
             a.final_state = state
@@ -507,7 +508,8 @@ class JobRunner:
             failure = (row["summary"] or {}).get("error")
         self.crash("job_finishing")
         try:
-            end = self._job_end(state, row)
+            end = self._record_only() if a.record_only is not None else self._job_end(state, row)
+            summary = self._committed_end(state, failure, row, end)
         except Exception as exc:
             # Nothing takes the job up again without a store; nor a cancelled one: the operator asked
             # for its end, which its record gives now, saying what it lacks (no model).
@@ -516,8 +518,7 @@ class JobRunner:
                               failed_before=a.end_failures, attempts=self.end_attempts)
             if why is None:
                 log.exception("job %s: its end failed; it is tried again", a.job_id)
-                a.uncommitted = "the job's end"
-                return {}
+                return self._tried_again()
             failure = failure or why
             if cancelled:       # the operator's cancel stands; its record says what its end lacks
                 log.error("job %s cancelled, its end failed: %s", a.job_id, failure, exc_info=exc)
@@ -526,25 +527,46 @@ class JobRunner:
             if state in (JobState.DONE, JobState.FAILED):   # an interrupted or stopped job keeps its state (it says why)
                 state = a.final_state = JobState.FAILED
             end = self._record_only()
-        final_eval = end.evaluation
-        summary = reporting.job_summary(a, state, final_eval, self.bytes_sent())
+            try:
+                summary = self._committed_end(state, failure, row, end)
+            except Exception:       # not even its record: the store fails; the job stays as stored, tried again
+                log.exception("job %s: its record could not be committed either; it is tried again", a.job_id)
+                return self._tried_again()
+        summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
+        self.crash("job_finished")
+        reporting.write_job_files(a.out_dir, end.job, summary)
+        self.events.write("job_end", a.job.round, state=state, accuracy=end.evaluation.get("accuracy"))
+        if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
+            self.job_ends.ended(a.job_id, state, a.job)
+        self.publish_status(state)
+        return summary
+
+    def _committed_end(self, state: str, failure: str | None, row: dict | None, end: JobEnd) -> dict:
+        """The job's summary, its final state committed first (with its model): once, where it is stored."""
+        a = self.a
+        summary = reporting.job_summary(a, state, end.evaluation, self.bytes_sent())
         if failure:
             summary["error"] = failure
         summary["not_contributed"] = {d: self.fleet.why_missing(d, self.offline_grace_s)
                                       for d in sorted(self.fleet.seen - set(a.job.contributed))}
         if row is not None and state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
             compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
-            self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), end.model, final_eval, a.job.round)
+            self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), end.model, end.evaluation, a.job.round)
             # an interrupted job (timeout, SIGTERM) stays "running"/"paused"/"cancelling" in the store: the next
             # start of the service resumes it, exactly as after a crash
-        summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
-        self.crash("job_finished")
-        reporting.write_job_files(a.out_dir, end.job, summary)
-        self.events.write("job_end", a.job.round, state=state, accuracy=final_eval.get("accuracy"))
-        if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
-            self.job_ends.ended(a.job_id, state, a.job)
-        self.publish_status(state)
         return summary
+
+    def _tried_again(self) -> dict:
+        """The job's end failed for now: nothing of it is published; the store takes the job up again
+        (``AggregatorService._finish_job``), its failure counted there first, so that a restarted
+        service counts on rather than from 0 (a service restarted within every wait tried for ever)."""
+        self.a.uncommitted = "the job's end"
+        try:
+            if self.store is not None:
+                self.store.count_end_failure(self.a.job_id)
+        except Exception as exc:        # the store fails as the end did: this service's own count goes on
+            log.warning("job %s: its end's failure could not be counted in the store: %s", self.a.job_id, exc)
+        return {}
 
     def _job_end(self, state: str, row: dict | None) -> JobEnd:
         if state == JobState.FAILED and row is not None and row["state"] == JobState.FAILED:

@@ -221,7 +221,7 @@ class AggregatorService(OperatorActions):
 
     def _job_broken(self, reason: str, stop: bool = False) -> None:
         """The job cannot go on as it is: rebuild it from the store (which no longer replays what
-        broke it), or, when that is impossible, stop it durably with the reason (never a crash loop)."""
+        broke it), or, when that is impossible, give it up durably with the reason (never a crash loop)."""
         a = self.active
         if self.writer is not None:             # what is being written belongs in the rebuilt job
             self.writer.settle()
@@ -234,10 +234,9 @@ class AggregatorService(OperatorActions):
             self._activate(job, a.out_dir)
             self.active.stats, self.active.started, self.active.close_failures = a.stats, a.started, a.close_failures
             return
-        log.error("job %s stopped: %s", a.job_id, reason)
-        a.final_state = JobState.STOPPED
-        if self.store is not None:
-            self.store.set_job_state(a.job_id, JobState.STOPPED, {"error": reason})
+        # stopped, or cancelled with its record only where the operator cancelled it (the cancel stands)
+        ended = job_lifecycle.give_up(self.store, a.job_id, JobState.CANCELLING if a.cancelling else a.state, reason, a)
+        log.error("job %s %s: %s", a.job_id, ended, reason)
 
     def _start_next_job(self) -> bool:
         """With a store: resume an interrupted job, else start the oldest queued one."""
@@ -251,7 +250,7 @@ class AggregatorService(OperatorActions):
             self._activate(job, self.out_dir / row["job_id"])
         except Exception as exc:  # a stored job that cannot be built must not stop the service
             log.error("cannot start job %s: %s", row["job_id"], exc)
-            self.store.set_job_state(row["job_id"], job_lifecycle.unbuildable(row["state"]), {"error": str(exc)})
+            job_lifecycle.give_up(self.store, row["job_id"], row["state"], str(exc))   # cancelling: cancelled
             return False
         return True
 

@@ -72,6 +72,7 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     a.applied.invalidate()          # the live job starts from stored state: its sums are not canonical
     a.stats = ServiceStats.from_dict(row.get("counters") or {})
     a.started_at = row["started_at"] or row["created_at"]
+    a.end_failures = max(a.end_failures, row["end_failures"])     # a restart counts on (service/end_failures.py)
     done_round = _load_checkpoint(a, store) if checkpoints else 0
     ids = store.contributions(a.job_id, with_payload=False)                  # every round: message ids
     payloads = store.contributions(a.job_id, after_round=done_round)         # only what the state lacks

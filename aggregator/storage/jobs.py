@@ -34,8 +34,11 @@ class JobRepository(StoreConnection):
             cur = db.execute("UPDATE jobs SET state=?, updated_at=?, "
                              "started_at=CASE WHEN ?='running' AND started_at IS NULL THEN ? ELSE started_at END, "
                              "finished_at=CASE WHEN ? IN ('cancelled','done','failed','stopped') THEN ? ELSE finished_at END, "
-                             "summary=COALESCE(?, summary) WHERE job_id=?",
-                             (state, now, state, now, state, now, json.dumps(summary) if summary else None, job_id))
+                             "summary=COALESCE(?, summary), "
+                             # queued again (started, resumed): its end counts its failures afresh
+                             "end_failures=CASE WHEN ?='queued' THEN 0 ELSE end_failures END WHERE job_id=?",
+                             (state, now, state, now, state, now, json.dumps(summary) if summary else None, state,
+                              job_id))
             if cur.rowcount == 0:
                 raise StoreError(f"no job {job_id!r}")
 
@@ -51,6 +54,17 @@ class JobRepository(StoreConnection):
             db.execute("UPDATE jobs SET state=?, updated_at=?, finished_at=?, summary=?, counters=? WHERE job_id=?",
                        (state, now, now, json.dumps(summary), json.dumps(counters), job_id))
             return model_id
+
+    def count_end_failure(self, job_id: str) -> int:
+        """One more failed try of the job's end: its failures in a row now, kept across restarts
+        (``aggregator/service/end_failures.py``: a service restarted within every retry's wait
+        counted from 0 again, and tried a failing end for ever)."""
+        with self._tx() as db:
+            rows = db.execute("UPDATE jobs SET end_failures=end_failures + 1 WHERE job_id=? RETURNING end_failures",
+                              (job_id,)).fetchall()      # every row read: the statement ends before the commit
+            if not rows:
+                raise StoreError(f"no job {job_id!r}")
+            return rows[0][0]
 
     def job(self, job_id: str) -> dict | None:
         r = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
@@ -68,4 +82,4 @@ def _job_row(r: sqlite3.Row) -> dict:
     return {"job_id": r["job_id"], "kind": r["kind"], "config": json.loads(r["config"]), "state": r["state"],
             "created_at": r["created_at"], "updated_at": r["updated_at"], "started_at": r["started_at"],
             "finished_at": r["finished_at"], "summary": json.loads(r["summary"]) if r["summary"] else None,
-            "counters": json.loads(r["counters"]) if r["counters"] else {}}
+            "counters": json.loads(r["counters"]) if r["counters"] else {}, "end_failures": r["end_failures"]}

@@ -9,7 +9,10 @@ import enum
 # 3: the deployment tables (a version 2 store gains them, empty: MIGRATE_FROM_V2 is nothing more;
 #    a version 3 store made before deployment_assignments / deployment_counters / device_tags gains
 #    them the same way: every table is created if absent on open)
-SCHEMA_VERSION = 3
+# 4: jobs.end_failures, the failed tries in a row of a job's end, kept across restarts
+#    (aggregator/service/end_failures.py): a store of an earlier version gains the column
+#    (ADDED_COLUMNS, added where absent on every open, as the tables are created)
+SCHEMA_VERSION = 4
 
 
 class JobState(enum.StrEnum):
@@ -97,7 +100,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     started_at  REAL,
     finished_at REAL,
     counters    TEXT,
-    summary     TEXT
+    summary     TEXT,
+    end_failures INTEGER NOT NULL DEFAULT 0     -- its end's failed tries in a row (0 again once queued)
 );
 CREATE TABLE IF NOT EXISTS rounds (
     job_id       TEXT NOT NULL REFERENCES jobs(job_id),
@@ -212,6 +216,9 @@ CREATE TABLE IF NOT EXISTS settings (
 {index};
 """.replace("{contributions}", CONTRIBUTIONS.format(name="contributions")).replace("{index}", CONTRIBUTIONS_INDEX) \
     .replace("{fleet_triggers}", FLEET_TRIGGERS)
+
+# the columns a later version added to a table an earlier one made: (table, column, its declaration)
+ADDED_COLUMNS = (("jobs", "end_failures", "INTEGER NOT NULL DEFAULT 0"),)
 
 # Version 1 kept each payload in the table (``contributions.payload BLOB``). Once every payload is in
 # its file, the table is rebuilt in the version 2 shape (same seqs); the caller keeps the AUTOINCREMENT

@@ -51,7 +51,8 @@ from aggregator.storage.exclusions import SCREEN_EXEMPT_PREFIX, ExclusionReposit
 from aggregator.storage.jobs import JobRepository
 from aggregator.storage.models import ModelRepository, arrays_sha256, npz_bytes
 from aggregator.storage.rounds import RoundRepository, StoredRound
-from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA, SCHEMA_VERSION, JobState
+from aggregator.storage.schema import (ADDED_COLUMNS, FINAL_JOB_STATES, JOB_STATES, MIGRATE_FROM_V1, SCHEMA,
+                                      SCHEMA_VERSION, JobState)
 from aggregator.storage.settings import SettingRepository
 
 # the names callers imported from this module before the split keep working
@@ -62,7 +63,8 @@ log = logging.getLogger("fedfleet.aggregator")
 
 # the tables of every version this aggregator opens (sqlite_sequence: SQLite's AUTOINCREMENT marks)
 STORE_TABLES = frozenset(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
-READABLE_VERSIONS = ("1", "2", str(SCHEMA_VERSION))
+READABLE_VERSIONS = ("1", "2", "3", str(SCHEMA_VERSION))
+MIGRATED_VERSIONS = f"{', '.join(READABLE_VERSIONS[:-2])} and {READABLE_VERSIONS[-2]}"     # what the messages say
 
 
 def checked_state_file(path: Path) -> None:
@@ -84,7 +86,7 @@ def checked_state_file(path: Path) -> None:
         newer = version.isdigit() and int(version) > SCHEMA_VERSION
         why = "a newer aggregator wrote it: run that version" if newer else "no aggregator writes that version"
         raise StoreError(f"{path} has schema version {version[:40]}, this aggregator uses {SCHEMA_VERSION} "
-                         f"(and migrates 1 and 2): {why}")
+                         f"(and migrates {MIGRATED_VERSIONS}): {why}")
 
 
 class Store(DeviceRepository, JobRepository, RoundRepository, ContributionRepository, ExclusionRepository,
@@ -101,12 +103,13 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
         self._create_tables(SCHEMA)
         migrated = False
         with self._tx() as db:
+            _add_columns(db)        # a store of an earlier version, or a first open of one cut short
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif migrated := row[0] == "1":
                 self._migrate_from_v1(db)
-            elif row[0] == "2":             # the deployment tables, created above, are all version 3 adds
+            elif row[0] in ("2", "3"):      # the tables and columns they lack, made above, are all 3 and 4 add
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
             elif row[0] != str(SCHEMA_VERSION):      # checked_state_file's refusal, met by a writer since
                 raise StoreError(f"{self.path} has schema version {row[0]}, this aggregator uses {SCHEMA_VERSION}")
@@ -140,3 +143,9 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
         log.warning("store %s: migrated from schema version 1 (contribution payloads moved to %s)",
                     self.path, self.blobs.directory)
 
+
+def _add_columns(db: sqlite3.Connection) -> None:
+    """The columns of ``ADDED_COLUMNS`` a table lacks (``CREATE TABLE IF NOT EXISTS`` keeps an older table as it is)."""
+    for table, column, declaration in ADDED_COLUMNS:
+        if column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
