@@ -103,6 +103,37 @@ def test_secure_vectors_under_distributed_dp_are_the_python_devices(java_cp, tmp
     assert got[-1] == 0.0 and np.abs(got - want).max() <= 2.0 ** -GRID_BITS
 
 
+@pytest.mark.parametrize("clip_norm", [0.5, 100.0], ids=["beyond-C", "within-C"])
+def test_the_clipped_indicator_bit_under_adaptive_clipping_is_the_python_devices(java_cp, tmp_path, clip_norm):
+    """Adaptive clipping under distributed DP (the task's dp.clip_bit_scale s): both devices send
+    [clip(θ_k − θ_t) | (b − ½)·s | 1], b = 1[‖θ_k − θ_t‖ ≤ C] before the clip, the bit noised with
+    the update (negligible noise here): the Java vector is the Python device's within a grid step,
+    and the bit entry is ±s/2 by the norm computed here."""
+    from edge_client.tasks.head_training import LocalTraining, train_head
+    from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
+    from protocols.identity import DeviceIdentity
+
+    Z, y = device_data(0)
+    head = {"weight": np.zeros((C, D), np.float32), "bias": np.zeros(C, np.float32)}
+    dp = {"clip_norm": clip_norm, "stddev": 1e-9, "scale_bits": GRID_BITS, "clip_bit_scale": 1.5}
+    params = {**RECIPE, "group": "g", "max_samples": 100, "max_abs_param": 20.0, "dp": dp}
+    got = java_vector(java_cp, tmp_path, params, head, "fedavg.secure", (Z, y))
+    trained = train_head(head["weight"], head["bias"], Z, y, LocalTraining.from_params(RECIPE))
+    norm = float(np.sqrt(np.sum(np.square(trained.weight, dtype=np.float64)) +
+                         np.sum(np.square(trained.bias, dtype=np.float64))))
+    assert (norm <= clip_norm) == (clip_norm == 100.0)
+    assert got.shape == (C * D + C + 2,) and got[-1] == 1.0
+    assert got[-2] == (0.75 if norm <= clip_norm else -0.75)
+    python = SecureFedAvgTraining(DeviceIdentity.generate("d"), bytes(32), lambda p, t: ({"n": len(y)}, {
+        "weight": trained.weight, "bias": trained.bias}), noise_rng=np.random.default_rng(0))
+    want = python.vector(params, head)
+    assert np.abs(got - want).max() <= 2.0 ** -GRID_BITS + HEAD_ATOL
+    (tmp_path / "task.bin").write_bytes(task_bytes({**params, "dp": {**dp, "clip_bit_scale": -1.0}}, head,
+                                                   "fedavg.secure"))
+    out = java(java_cp, tmp_path / "task.bin", write_features(tmp_path / "f.feat", Z, y), tmp_path / "x.bin")
+    assert out.startswith("DECLINED") and "dp.clip_bit_scale" in out, out
+
+
 @pytest.mark.parametrize("stddev, scale_bits", [(32.0, 29), (2.0 ** 31, 1), (2.0 ** 20, 12)])
 def test_a_noise_too_large_to_draw_is_declined_by_both_devices(java_cp, tmp_path, stddev, scale_bits):
     """Found by the differential fuzzer: a dp round whose Poisson mean μ = (σ·2^f)²/2 is past what

@@ -15,7 +15,12 @@ is part of the signed round configuration, so nothing can overflow silently).
 
 Distributed DP (``dp_noise_multiplier`` > 0): devices send ``[clip(θ_k − θ_t) | 1]`` with their
 share of Skellam noise (``protocols/secagg/distributed_dp.py``); the sum over the fixed κ is the
-noisy mean update, and the server never holds an un-noised sum.
+noisy mean update, and the server never holds an un-noised sum. Adaptive clipping
+(``dp_adaptive_clip``): the round's C is the rule's (``AdaptiveClipNorm``), the update noise σ =
+z_Δ·C (Andrew et al.'s split, as the plain job's), and each device sends
+``[clip(θ_k − θ_t) | (b_k − ½)·s | 1]`` with s = σ/σ_b (``dp.clip_bit_scale``): the sum's bit entry
+over s is Σ (b_k − ½) with noise of stddev σ_b (at t survivors), what the plain rule releases, and C
+moves by the plain rule from it (``AdaptiveClipNorm.follow``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from protocols.payloads.secagg import (SECURE_DITTO_KIND, SECURE_FEDAVG_KIND, SE
 from protocols.payloads.task_kinds import params_type
 from protocols.payloads.task_params import DpRound
 from protocols.rounds import RoundClosed
-from protocols.secagg.distributed_dp import noisy_bound
+from protocols.secagg.distributed_dp import clip_bit_scale, clip_bit_sum_bound, noisy_bound
 
 from aggregator.jobs.ditto import DittoConfig, DittoJob
 from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
@@ -59,7 +64,7 @@ class SecureFedAvgConfig(FedAvgConfig, SecureUpdateFields, SecureUpdateBoundFiel
 
     def secure_vector_length(self) -> int | None:
         shapes = self.trained_shapes()        # None for a tail kind: the tail program's tensors
-        return None if shapes is None else self.pack_length(shapes)
+        return None if shapes is None else self.pack_length(shapes) + self.clip_bit_entries()
 
 
 class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
@@ -73,10 +78,11 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         self._init_secure(identity, registry)
         # a tail kind's length is known once its tail program is read (here); a head's, from the config
         self.vector_length = config_vector_length(config) or checked_vector_length(
-            config.pack_length(self.trained_shapes()), config, config.secure_vector_remedy())
+            config.pack_length(self.trained_shapes()) + config.clip_bit_entries(), config, config.secure_vector_remedy())
         self.bound = float(config.max_samples) * max(float(config.max_abs_param), 1.0)
         self._sum: tuple[dict[str, np.ndarray], int, int] | None = None     # (mean, updates, Σ n) of the round
         self._round_dp: dict | None = None
+        self._noisy_count: float | None = None      # adaptive clipping: the round's noisy Σ (b_k − ½)
 
     def next_participants(self, online: set[str]) -> list[str]:
         pool = {d for d in online if d in self.registry}     # no key, no secure round
@@ -86,14 +92,28 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
             return []
         chosen = super().next_participants(pool)
         if chosen:
-            self._sum = None
+            self._sum, self._noisy_count = None, None
             if self.dp is not None:
-                c = self.config
-                self._round_dp = {"clip_norm": c.dp_clip_norm, **self.open_dp_round(
-                    self.round, chosen, self.vector_length, max(c.dp_clip_norm, 1.0), c.dp_noise_multiplier * c.dp_clip_norm)}
+                self._round_dp = self._open_dp_round(chosen)
             else:
                 self.open_secure_round(self.round, chosen, self.vector_length, self.bound)
         return chosen
+
+    def _open_dp_round(self, chosen: list[str]) -> dict:
+        """The round's ``dp`` task params: C (the rule's, adaptive or fixed), the noise of stddev
+        z_Δ·C on the sum (z_Δ = z with a fixed C) and, adaptive, the bit's scale s = σ/σ_b."""
+        clip_norm = self.dp.clip.value
+        total_stddev = self.dp.update_multiplier * clip_norm
+        bit = {"clip_bit_scale": clip_bit_scale(total_stddev, self.dp.clip.count_stddev)} \
+            if self.config.clip_bit_entries() else {}
+        return {"clip_norm": clip_norm, **bit, **self.open_dp_round(
+            self.round, chosen, self.vector_length, self._dp_data_bound(clip_norm, bit), total_stddev)}
+
+    @staticmethod
+    def _dp_data_bound(clip_norm: float, round_dp: dict) -> float:
+        """Each member's per-entry bound before its noise: C (its clipped update), 1 (its count) and,
+        adaptive, s/2 (its centred bit)."""
+        return max(clip_norm, 1.0, round_dp.get("clip_bit_scale", 0.0) / 2)
 
     def task_params(self, device: str):
         """The plain kind's params (the job next in the MRO) as the secure kind's type (the table's)."""
@@ -117,7 +137,23 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         raise TypeError("a secure round has no per-device results to apply")
 
     def on_secure_sum(self, total: np.ndarray, survivors: tuple[str, ...]) -> None:
+        noisy_count = None
+        if self.dp is not None and self.config.clip_bit_entries():
+            # [Σ clip(Δ_k) | Σ (b_k − ½)·s + noise | |S|]: the bit entry read, then the update's sum
+            noisy_count = self._read_clip_bits(float(total[-2]), survivors)
+            total = np.delete(total, -2)
         self.record_sum(*unpack_weighted_sum(total, self.trained_shapes()), survivors)
+        self._noisy_count = noisy_count         # only once the whole sum is within its bounds
+
+    def _read_clip_bits(self, bit_sum: float, survivors: tuple[str, ...]) -> float:
+        """The noisy Σ (b_k − ½) from the sum's bit entry (divided by s); GroupSumOutOfBound (nothing
+        applied, C kept) beyond what the survivors' honest entries can sum to (``clip_bit_sum_bound``)."""
+        scale, stddev = self._round_dp["clip_bit_scale"], self._round_dp["stddev"]
+        most = clip_bit_sum_bound(scale, stddev, len(survivors))
+        if not abs(bit_sum) <= most + len(survivors) * 2.0 ** -self._round_dp["scale_bits"]:   # + the grid's rounding
+            raise GroupSumOutOfBound(f"the clipped-indicator entry {bit_sum:.4g} of a DP group of {len(survivors)} "
+                                     f"is beyond {most:.4g} (|S|·s/2 and the noise's room, s = {scale:.4g})")
+        return bit_sum / scale
 
     def record_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
         """The round's mean from its Σ n_k θ_k and Σ n_k (GroupSumOutOfBound: nothing recorded; a
@@ -148,9 +184,10 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
     def _check_dp_group_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
         """Under distributed DP (skipped before: one member could mask any ring element and move
         the model by it): ``check_dp_group_sum`` at the round's per-entry bound."""
+        round_dp = self._round_dp
         try:
             check_dp_group_sum(sums, n, len(survivors),
-                               noisy_bound(max(self.config.dp_clip_norm, 1.0), self._round_dp["stddev"]))
+                               noisy_bound(self._dp_data_bound(round_dp["clip_norm"], round_dp), round_dp["stddev"]))
         except ValueError as exc:
             raise GroupSumOutOfBound(str(exc)) from None
 
@@ -164,12 +201,16 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
         if mean_delta is None:           # a failed round revealed nothing
             return None, 0, 0
         trained = {name: self.params[name] for name in mean_delta}
-        return self.dp.apply_mean_delta(trained, mean_delta), updates, samples
+        moved = self.dp.apply_mean_delta(trained, mean_delta)
+        if self._noisy_count is not None:       # adaptive: C for the next round, by the plain rule
+            self.dp.clip.follow(self._noisy_count, self.config.clients_per_round)
+            self._noisy_count = None
+        return moved, updates, samples
 
     def close_round(self, closed: RoundClosed) -> None:
         self.abort_secure_round(closed.round, "deadline")
         super().close_round(closed)
-        self._sum = None
+        self._sum, self._noisy_count = None, None
 
 
 @dataclass

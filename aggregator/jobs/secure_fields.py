@@ -97,17 +97,16 @@ class SecureAggregationFields(JobConfig):
 
 @dataclass
 class SecureUpdateFields(SecureAggregationFields, UpdateClippingFields):
-    """Model updates summed under SecAgg: a bound per trained entry, and a fixed clip norm under DP."""
+    """Model updates summed under SecAgg: a bound per trained entry, and under DP the clip norm
+    (adaptive where the kind's devices send their clipped-indicator bits: ``clip_bit_entries``)."""
 
     max_abs_param: float = limited(100.0, Range(1e-6, 1e6))   # per trained entry, after local training
 
     def __post_init__(self):
         super().__post_init__()
         self.refuse_inert_group_threshold(self.dp)
-        # Distributed DP: the devices clip and noise (no central noise); the clip norm stays fixed
-        # (the adaptive rule would need its clipped-count bits in the secure sum as well).
-        if self.dp and self.dp_adaptive_clip:
-            raise ValueError("dp_adaptive_clip is not available under secure aggregation (fixed dp_clip_norm only)")
+        # Distributed DP: the devices clip and noise (no central noise); under adaptive clipping
+        # each also sends its clipped-indicator bit, noised, in one more entry (clip_bit_entries)
         if self.dp and self.dp_population:
             # amplification by sampling holds only against whoever cannot see the sample; distributed
             # DP guards against the server, and the server draws it (a review's finding)
@@ -116,3 +115,8 @@ class SecureUpdateFields(SecureAggregationFields, UpdateClippingFields):
         if self.dp and self.ring_bits != RING_BITS:
             # the devices' Skellam noise is scaled to about 2^20 ring units (distributed_dp.py)
             raise ValueError(f"distributed DP needs the {RING_BITS}-bit ring (ring_bits = {RING_BITS})")
+
+    def clip_bit_entries(self) -> int:
+        """Entries a device's vector holds beyond the update's for adaptive clipping under distributed
+        DP: its clipped-indicator bit (``protocols/secagg/distributed_dp.py`` clip_bit), or none."""
+        return 1 if self.dp and self.dp_adaptive_clip else 0

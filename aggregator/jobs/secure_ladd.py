@@ -92,6 +92,9 @@ class SecureLaddConfig(LaddConfig, SecureUpdateFields):
         super().__post_init__()
         if self.aggregator != "mean":
             raise ValueError(f"aggregator {self.aggregator!r} needs each device's update; a secure job sees only sums")
+        if self.clip_bit_entries():     # a LADD device's slot vector has no clipped-indicator bit
+            raise ValueError("dp_adaptive_clip is not available under secure LADD (fixed dp_clip_norm only; "
+                             "the secure FedAvg family takes it)")
         check_declared(self, "min_cluster_contributors")      # a config built in Python
         if self.max_samples < 1 or not self.max_abs_param > 0:
             raise ValueError("max_samples >= 1 and max_abs_param > 0 required")

@@ -90,8 +90,12 @@ class AdaptiveClipNorm(ClipNorm):
 
     def observe(self, unclipped: int, count: int, expected: int, rng: NoiseSource) -> None:
         centred = unclipped - 0.5 * count          # Σ (b_k − ½), exact: halves of small integers
-        noisy = float(grid_gaussian_release(centred, self.count_stddev, COUNT_SENSITIVITY, rng))
-        fraction = noisy / expected + 0.5
+        self.follow(float(grid_gaussian_release(centred, self.count_stddev, COUNT_SENSITIVITY, rng)), expected)
+
+    def follow(self, noisy_centred: float, expected: int) -> None:
+        """Move C from a released noisy Σ (b_k − ½) (noised here, or by the devices under
+        distributed DP: ``aggregator/jobs/secure_fedavg.py``) over ``expected`` devices (m)."""
+        fraction = noisy_centred / expected + 0.5
         self.value *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
 
 

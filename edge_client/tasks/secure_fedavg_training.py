@@ -9,7 +9,8 @@ The device trains exactly as for the plain kind (the wrapped handler: ``fedavg.h
 the round's ``max_abs_param`` is refused here (declined), before secure aggregation would
 overflow its fixed-point range. With the task's ``update_clip_norm`` C the device first clips its
 update θ − θ_t to norm C (the aggregator checks each group's sum against Σ n_k·C). Under distributed DP (the task's ``dp``) the device sends its
-clipped update instead, with its share of the noise (``dp_vector``).
+clipped update instead, with its share of the noise (``dp_vector``), and under adaptive clipping
+its clipped-indicator bit beside it.
 
 The same wrapper serves ``pp.head.secure`` and ``ditto.head.secure`` around their stateful
 handlers (the personal part stays in the device's store), and :class:`SecureScaffoldTraining`
@@ -32,6 +33,7 @@ from protocols.payloads.scaffold import DELTA_CONTROL
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND, SECURE_SCAFFOLD_KIND, pack_controlled, pack_weighted
 from protocols.payloads.secure_tasks import SecureControlRound, SecureUpdateRound
 from protocols.payloads.task_params import DpRound
+from protocols.secagg.distributed_dp import clip_bit
 
 from ..agent import TaskDeclined
 from ..state import DeviceStateStore, StateBudgetExceeded, StateEntry
@@ -97,8 +99,14 @@ class SecureFedAvgTraining(SecureUpdate):
     def dp_vector(self, dp: DpRound, order: list, trained: dict[str, np.ndarray],
                   start: dict[str, np.ndarray]) -> np.ndarray:
         """Distributed DP-FedAvg: [clip(θ_k − θ_t) | 1] plus this device's share of noise; devices are
-        unweighted (n_k would make the sensitivity data-dependent), the server divides by κ."""
-        return self.add_noise(pack_weighted(self.clipped_delta(dp.clip_norm, trained, start), order, 1), dp)
+        unweighted (n_k would make the sensitivity data-dependent), the server divides by κ. With
+        the round's ``clip_bit_scale`` s (adaptive clipping): [clip(θ_k − θ_t) | (b_k − ½)·s | 1],
+        b_k = 1[‖θ_k − θ_t‖ ≤ C], the bit noised as the update (``distributed_dp.clip_bit``)."""
+        clipped, norm = self.clipped_delta_and_norm(dp.clip_norm, trained, start)
+        vector = pack_weighted(clipped, order, 1)
+        if dp.clip_bit_scale is not None:
+            vector = np.insert(vector, len(vector) - 1, clip_bit(norm, dp.clip_norm, dp.clip_bit_scale))
+        return self.add_noise(vector, dp)
 
 
 class SecureScaffoldTraining(SecureFedAvgTraining):

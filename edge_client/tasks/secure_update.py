@@ -278,15 +278,20 @@ class SecureUpdate(SecureTaskHandler, MessageHandler):
                       start: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The update θ_k − θ_t over every tensor the device trained, clipped to ``clip_norm`` as
         one vector (``protocols.clipping``): distributed DP's clip, or bounded influence's."""
+        return SecureUpdate.clipped_delta_and_norm(clip_norm, trained, start)[0]
+
+    @staticmethod
+    def clipped_delta_and_norm(clip_norm: float | None, trained: dict[str, np.ndarray],
+                               start: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+        """:meth:`clipped_delta` and the update's norm before the clip (adaptive clipping's bit)."""
         if not set(trained) <= set(start):
             raise TaskDeclined("the task did not send every tensor the device trained")
         if clip_norm is None or not (np.isfinite(clip_norm) and clip_norm > 0):
             raise TaskDeclined(f"bad clip norm {clip_norm!r}")
         if any(np.shape(v) != np.shape(start[k]) for k, v in trained.items()):
             raise TaskDeclined("a trained tensor's shape differs from the task's")
-        clipped, _ = clip_update({k: np.asarray(v, np.float64) - np.asarray(start[k], np.float64)
-                                  for k, v in trained.items()}, clip_norm)
-        return clipped
+        return clip_update({k: np.asarray(v, np.float64) - np.asarray(start[k], np.float64)
+                            for k, v in trained.items()}, clip_norm)
 
     # the secure round's fields this wrapper reads (the plain handler it wraps reads the plain kind's)
     round_type: type[WireParams] = SecureUpdateRound

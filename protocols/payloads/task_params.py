@@ -208,12 +208,16 @@ class ModelSpec(WireParams):
 @dataclasses.dataclass(frozen=True)
 class DpRound(WireParams):
     """A secure round under distributed DP (``dp`` of a secure task): each member's Skellam noise
-    stddev and the fixed-point scale, the round's threshold, and (update-based kinds) the clip norm."""
+    stddev and the fixed-point scale, the round's threshold, and (update-based kinds) the clip norm.
+    ``clip_bit_scale`` s (the FedAvg family, adaptive clipping): the device puts its clipped-indicator
+    bit (1[‖θ_k − θ_t‖ ≤ clip_norm] − ½)·s before its vector's count entry, noised as the update
+    (``protocols/secagg/distributed_dp.py`` clip_bit)."""
 
     stddev: float
     scale_bits: int
     threshold: int | None = optional()        # what the noise was sized for (the device does not need it)
     clip_norm: float | None = optional()
+    clip_bit_scale: float | None = optional()
 
     def __post_init__(self):
         check_number("dp.stddev", self.stddev)
@@ -222,3 +226,7 @@ class DpRound(WireParams):
             check_int("dp.threshold", self.threshold, 1, MAX_COUNT)
         if self.clip_norm is not None:
             check_number("dp.clip_norm", self.clip_norm, low_open=True)
+        if self.clip_bit_scale is not None:
+            check_number("dp.clip_bit_scale", self.clip_bit_scale, low_open=True)
+            if self.clip_norm is None:
+                raise ValueError("dp.clip_bit_scale: the clipped-indicator bit needs the round's clip_norm")

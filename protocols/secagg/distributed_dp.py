@@ -76,3 +76,35 @@ def add_skellam_noise(values: np.ndarray, stddev: float, scale_bits: int, rng: n
     if q.size and np.abs(q).max() >= 2.0 ** EXACT_BITS:
         raise ConfigError("noisy value beyond 2^52 ring units: scale bits too fine for this bound")
     return np.ldexp(q, -scale_bits)
+
+
+# Adaptive clipping under distributed DP (Andrew et al. 2021; the plain rule is
+# aggregator/strategies/dp_fedavg.py AdaptiveClipNorm): each device of a DP-FedAvg round appends
+# its clipped-indicator bit, centred, (1[‖Δ_k‖ ≤ C] − ½)·s, as one more noised entry of its vector.
+# Centred, so that one device more or less moves the sum by s/2 (the plain rule's COUNT_SENSITIVITY
+# ½, in count units), whatever its bit; s = σ/σ_b, so that the same per-entry noise that gives the
+# update sum stddev σ (at t survivors) gives Σ (b_k − ½) stddev σ_b once divided by s.
+def clip_bit_scale(total_stddev: float, count_stddev: float) -> float:
+    """s of the bit entry: the round's update noise σ (on the sum) over the count's σ_b."""
+    if not (math.isfinite(total_stddev) and total_stddev > 0 and math.isfinite(count_stddev) and count_stddev > 0):
+        raise ConfigError("need a positive update noise stddev and count stddev")
+    return total_stddev / count_stddev
+
+
+def clip_bit(norm: float, clip_norm: float, scale: float) -> float:
+    """A device's bit entry before its noise: (1[‖Δ‖ ≤ C] − ½)·s."""
+    return (0.5 if norm <= clip_norm else -0.5) * scale
+
+
+# the sum's bit entry may pass |S|·s/2 by this many stddevs of its noise: an honest group's does with
+# probability < 2e-9 (a round lost), and a forged entry hides in at most this much noise
+BIT_SUM_HEADROOM_SIGMAS = 6.0
+
+
+def clip_bit_sum_bound(scale: float, stddev: float, members: int) -> float:
+    """What the bit entries of ``members`` honest devices (noise share ``stddev`` each) sum to, at
+    most: |S|·s/2 plus BIT_SUM_HEADROOM_SIGMAS of the summed noise's stddev σ_dev·√|S| (σ_b·√(|S|/t)
+    in counts). The server sees only the sum, so this is all it can check: a forged entry beyond it
+    is refused; one within it moves Σ (b_k − ½) by at most its peers' unused room and that
+    headroom (docs/secure-aggregation.md)."""
+    return members * scale / 2 + BIT_SUM_HEADROOM_SIGMAS * stddev * math.sqrt(members)

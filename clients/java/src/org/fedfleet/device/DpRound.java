@@ -1,7 +1,9 @@
 // dp of a secure task (protocols/payloads/task_params.py DpRound): the round's distributed-DP
 // noise, as a JSON object under "dp": each member's Skellam stddev, the fixed-point scale_bits,
 // the threshold the noise was sized for (the device does not need it) and, for the update-based
-// kinds, the clip norm. SkellamNoise adds the device's share from it.
+// kinds, the clip norm and (adaptive clipping) clip_bit_scale s: the device puts its centred
+// clipped-indicator bit (1[‖θ_k − θ_t‖ ≤ clip_norm] − ½)·s before its vector's count entry
+// (protocols/secagg/distributed_dp.py clip_bit). SkellamNoise adds the device's share from it.
 package org.fedfleet.device;
 
 import java.math.BigInteger;
@@ -13,6 +15,7 @@ public final class DpRound {
     final int scaleBits;
     final Long threshold;                   // null: absent
     final Double clipNorm;                  // null: absent
+    final Double clipBitScale;              // null: absent (no clipped-indicator bit)
 
     private DpRound(Map<String, Object> p) throws TaskDeclined {
         TaskParams.require(p, "dp", "stddev", "scale_bits");
@@ -20,6 +23,9 @@ public final class DpRound {
         scaleBits = (int) Params.integer(p, "scale_bits", 0, 62);
         threshold = TaskParams.present(p, "threshold") ? Params.integer(p, "threshold", 1, 1_000_000_000) : null;
         clipNorm = TaskParams.present(p, "clip_norm") ? Params.number(p, "clip_norm", Double.NaN, false) : null;
+        clipBitScale = TaskParams.present(p, "clip_bit_scale") ? Params.number(p, "clip_bit_scale", Double.NaN, false) : null;
+        if (clipBitScale != null && clipNorm == null)
+            throw new TaskDeclined("bad task params: clip_bit_scale: the clipped-indicator bit needs the round's clip_norm");
     }
 
     /** The dp field's value (a JSON object); each refusal names the field as dp.<key>. */
@@ -47,6 +53,7 @@ public final class DpRound {
         out.put("scale_bits", BigInteger.valueOf(scaleBits));
         if (threshold != null) out.put("threshold", BigInteger.valueOf(threshold));
         if (clipNorm != null) out.put("clip_norm", clipNorm);
+        if (clipBitScale != null) out.put("clip_bit_scale", clipBitScale);
         return out;
     }
 

@@ -7,7 +7,8 @@
 // samples than max_samples, is declined before SecAgg's fixed-point range would overflow. Under
 // distributed DP (a task with "dp") the device sends [clip(θ_k − θ_t) | 1] instead, unweighted
 // (n_k would make the sensitivity data-dependent), with its share of Skellam noise on the update
-// (SkellamNoise). Params: SecureFedAvgParams.
+// (SkellamNoise); with the round's dp.clip_bit_scale s (adaptive clipping) [clip(θ_k − θ_t) |
+// (b_k − ½)·s | 1], b_k = 1[‖θ_k − θ_t‖ ≤ C], the bit noised as the update. Params: SecureFedAvgParams.
 package org.fedfleet.device;
 
 import java.util.List;
@@ -40,8 +41,10 @@ public final class SecureFedAvgTask implements SecureTask {
      *  with this device's noise share. Also used by the stateful heads' secure kinds (SecureStatefulHeadTask). */
     static double[] vector(SecureUpdateRound round, long n, double[] trained, double[] start, SkellamNoise noise) throws TaskDeclined {
         if (round.dp != null) {         // distributed DP-FedAvg: [clip(θ_k − θ_t) | 1] plus this device's noise share
-            double[] v = withCount(clippedDelta(round.dp.clipNorm, trained, start), 1.0);
-            return noise.add(v, round.dp, trained.length);
+            double[] v = clippedDelta(round.dp.clipNorm, trained, start);
+            if (round.dp.clipBitScale != null)      // adaptive clipping: [clip(θ_k − θ_t) | (b_k − ½)·s | 1]
+                v = withCount(v, clipBit(norm(trained, start), round.dp.clipNorm, round.dp.clipBitScale));
+            return noise.add(withCount(v, 1.0), round.dp, v.length);
         }
         if (n > round.maxSamples)
             throw new TaskDeclined(n + " local samples exceed the round's bound of " + round.maxSamples);
@@ -75,14 +78,22 @@ public final class SecureFedAvgTask implements SecureTask {
     /** θ_k − θ_t clipped to clipNorm as one vector over both tensors (protocols/clipping.py clip_update). */
     static double[] clippedDelta(double clipNorm, double[] trained, double[] start) {
         double[] delta = new double[trained.length];
-        double sq = 0;
-        for (int i = 0; i < delta.length; i++) {
-            delta[i] = trained[i] - start[i];
-            sq += delta[i] * delta[i];
-        }
-        double norm = Math.sqrt(sq), factor = norm > 0 ? Math.min(1.0, clipNorm / norm) : 1.0;
+        for (int i = 0; i < delta.length; i++) delta[i] = trained[i] - start[i];
+        double norm = norm(trained, start), factor = norm > 0 ? Math.min(1.0, clipNorm / norm) : 1.0;
         for (int i = 0; i < delta.length; i++) delta[i] *= factor;
         return delta;
+    }
+
+    /** ‖θ_k − θ_t‖₂ before any clip (protocols/clipping.py global_norm). */
+    static double norm(double[] trained, double[] start) {
+        double sq = 0;
+        for (int i = 0; i < trained.length; i++) sq += (trained[i] - start[i]) * (trained[i] - start[i]);
+        return Math.sqrt(sq);
+    }
+
+    /** The centred clipped-indicator bit (1[norm ≤ C] − ½)·s (protocols/secagg/distributed_dp.py clip_bit). */
+    static double clipBit(double norm, double clipNorm, double scale) {
+        return (norm <= clipNorm ? 0.5 : -0.5) * scale;
     }
 
     static double[] withCount(double[] v, double count) {
