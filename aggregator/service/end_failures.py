@@ -1,5 +1,5 @@
 """What becomes of a job whose end (``JobRunner.finish``: its re-sum, finalize, final evaluation or
-model) raises: tried again later, or ended now saying why.
+model) raises: tried again later, or ended now saying why; and what that end reports (``JobEnd``).
 
 A later try can get past the environment's failures (``TRANSIENT_END_ERRORS``); the job then stays
 running in the store and the service takes it up again after a growing wait (``service/backoff.py``,
@@ -19,13 +19,34 @@ running in the store and the service takes it up again after a growing wait (``s
   stands in where the store could not count one.
 
 The commit of the job's final state (``Store.finish_job``) is part of its end: a store failing there
-is sorted the same way (a failing store used to raise out of the service's loop).
+is sorted the same way (a failing store used to raise out of the service's loop). What follows that
+commit (``after_commit``: the job's files, its round log's line, its devices' job-end notice, its
+status) is not: the end is durable, so each of those fails on its own, logged, the others still
+done, and the service goes on. A full disk writing results.json, or a store failing to keep the
+job-end notice, used to raise out of ``finish`` and stop the service, the devices never told.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import sqlite3
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from aggregator.jobs.base import Job
+
+log = logging.getLogger("fedfleet.aggregator")
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """What a finished job reports: the job whose model it is (None: its end failed, nothing made
+    from its state is published), its last evaluation, and the model to commit (None: none)."""
+    job: Job | None
+    evaluation: dict
+    model: dict | None
+
 
 TRANSIENT_END_ERRORS = (OSError, MemoryError, sqlite3.OperationalError)
 
@@ -59,3 +80,13 @@ def end_failure(exc: BaseException, *, retried: bool, failed_before: int, attemp
     if failed_before + 1 >= attempts:
         return f"the job could not end after {failed_before + 1} attempts: {why}"
     return None
+
+
+def after_commit(job_id: str, steps: Iterable[tuple[str, Callable[[], object]]]) -> None:
+    """Do each of ``steps`` ((what, action)) of a job whose final state is committed: one that raises
+    is logged and the next still done (the store holds the end: nothing of it is tried again)."""
+    for what, action in steps:
+        try:
+            action()
+        except Exception:
+            log.exception("job %s: its end is committed, but %s failed", job_id, what)

@@ -29,7 +29,7 @@ from aggregator.storage.round_log import FILE_NAME as ROUND_LOG, SETTING_PREFIX,
 from aggregator.service.active_job import ActiveJob
 from aggregator.service.canonical import hand_round_sum, reported_job
 from aggregator.service.crash_points import CrashPoints
-from aggregator.service.end_failures import end_failure
+from aggregator.service.end_failures import JobEnd, after_commit, end_failure
 from aggregator.service.job_end import JobEndNotices
 from aggregator.service.job_outcome import judged_state
 from aggregator.jobs.privacy_fields import PrivacyBudgetFields
@@ -45,15 +45,6 @@ from aggregator.storage.schema import JobState
 log = logging.getLogger("fedfleet.aggregator")
 
 CLOSE_ATTEMPTS = 3      # a round's close whose commit fails this many times in a row stops the job
-
-
-@dataclass(frozen=True)
-class JobEnd:
-    """What a finished job reports: the job whose model it is (None: its end failed, nothing made
-    from its state is published), its last evaluation, and the model to commit (None: none)."""
-    job: Job | None
-    evaluation: dict
-    model: dict | None
 
 
 @dataclass(frozen=True)
@@ -534,11 +525,12 @@ class JobRunner:
                 return self._tried_again()
         summary["finished_at"] = time.time()        # its final state is durable (the files below are copies)
         self.crash("job_finished")
-        reporting.write_job_files(a.out_dir, end.job, summary)
-        self.events.write("job_end", a.job.round, state=state, accuracy=end.evaluation.get("accuracy"))
+        accuracy = end.evaluation.get("accuracy")
+        steps = [("its files", lambda: reporting.write_job_files(a.out_dir, end.job, summary)),
+                 ("its round log's line", lambda: self.events.write("job_end", a.job.round, state=state, accuracy=accuracy))]
         if state in FINAL_JOB_STATES and self.job_ends is not None:     # durable first, then the devices drop its state
-            self.job_ends.ended(a.job_id, state, a.job)
-        self.publish_status(state)
+            steps.append(("its devices' job-end notice", lambda: self.job_ends.ended(a.job_id, state, a.job)))
+        after_commit(a.job_id, steps + [("its status", lambda: self.publish_status(state))])     # each on its own
         return summary
 
     def _committed_end(self, state: str, failure: str | None, row: dict | None, end: JobEnd) -> dict:

@@ -73,6 +73,14 @@ class JobRepository(StoreConnection):
     def jobs(self) -> list[dict]:
         return [_job_row(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY created_at, job_id")]
 
+    def lately_finished(self, limit: int) -> list[dict]:
+        """The last ``limit`` jobs to reach a final state (done, failed, cancelled), the latest last:
+        each its ``job_id``, ``kind`` and ``state``."""
+        marks = ", ".join("?" * len(FINAL_JOB_STATES))
+        rows = self.db.execute(f"SELECT job_id, kind, state FROM jobs WHERE state IN ({marks}) "
+                               "ORDER BY finished_at DESC, job_id DESC LIMIT ?", (*FINAL_JOB_STATES, limit)).fetchall()
+        return [dict(r) for r in reversed(rows)]
+
     def next_queued_job(self) -> dict | None:
         r = self.db.execute("SELECT * FROM jobs WHERE state='queued' ORDER BY updated_at, job_id LIMIT 1").fetchone()
         return _job_row(r) if r else None
