@@ -1,9 +1,13 @@
 // Runs the Java library's DeploymentFollower for tests/test_java_deployment.py until stdin closes.
 // Usage: java FollowerRunner <broker mqtt://host:port> <device id> <topic root> <aggregator key hex | ->
 //                            <slot dir> <held-out features file> [<local labels a,b,..>]
-// Prints "READY" once started; on exit "REFUSALS <n>" and "CURRENT <sha>|none". With
-// FOLLOWER_FAILED_READS=N in the environment the first N reads of the held-out features fail (an
-// application's store that is briefly unavailable).
+// Prints "READY" once started; on exit "REFUSALS <n>", "CURRENT <sha>|none" and "STOPPED <class>|-"
+// (DeploymentFollower.stoppedBy). With FOLLOWER_FAILED_READS=N in the environment the first N reads
+// of the held-out features fail (an application's store that is briefly unavailable), throwing what
+// FOLLOWER_READ_FAILURE names: "io" (the default: an IOException), "assertion" (an application's
+// AssertionError) or "internal" (an InternalError: the JVM in doubt). With FOLLOWER_FAILED_SIGNS=N
+// the follower signs what it sends (a key of its own) with a signer whose first N calls throw an
+// AssertionError (an application's signer).
 import java.io.File;
 import java.net.URI;
 import java.util.Arrays;
@@ -23,11 +27,24 @@ public final class FollowerRunner {
         o.aggregatorKey = args[3].equals("-") ? null : Envelope.unhex(args[3]);
         o.retryS = 0.5;
         o.fetchTimeoutS = 20;
-        String failing = System.getenv("FOLLOWER_FAILED_READS");
+        String failing = System.getenv("FOLLOWER_FAILED_READS"), how = System.getenv("FOLLOWER_READ_FAILURE");
         int[] failuresLeft = {failing == null ? 0 : Integer.parseInt(failing)};
+        String signs = System.getenv("FOLLOWER_FAILED_SIGNS");
+        if (signs != null) {
+            Identity identity = Identity.generate(args[1]);
+            int[] signsLeft = {Integer.parseInt(signs)};
+            o.signer = data -> {
+                if (signsLeft[0]-- > 0) throw new AssertionError("the application's signer failed");
+                return identity.sign(data);
+            };
+        }
         DeploymentFollower f = new DeploymentFollower(args[1], new URI(args[0]), slot, new DeploymentFollower.HeldOut() {
             @Override public float[][] features(String bundleSha256) throws java.io.IOException {
-                if (failuresLeft[0]-- > 0) throw new java.io.IOException("held-out store unavailable");
+                if (failuresLeft[0]-- > 0) {
+                    if ("assertion".equals(how)) throw new AssertionError("the application's held-out features failed");
+                    if ("internal".equals(how)) throw new InternalError("the JVM's own error");
+                    throw new java.io.IOException("held-out store unavailable");
+                }
                 return rows;
             }
             @Override public int[] labels() { return labels; }
@@ -38,5 +55,6 @@ public final class FollowerRunner {
         f.close();
         System.out.println("REFUSALS " + f.refusals.size());
         System.out.println("CURRENT " + (slot.current() == null ? "none" : slot.current().sha256));
+        System.out.println("STOPPED " + (f.stoppedBy() == null ? "-" : f.stoppedBy().getClass().getName()));
     }
 }

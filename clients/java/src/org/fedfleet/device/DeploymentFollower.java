@@ -12,7 +12,12 @@
 // tried again every retryS and refused only after fetchTimeoutS); what does not answer its own assignment is reported at most once per class per
 // refusalIntervalS. A head is taken only as the answer to the assignment being fetched (its sha256
 // and its deployment's file name). With a username, it logs in as "{username}/deploy" (its own
-// account on the generated ACL broker: one MQTT identity per connection).
+// account on the generated ACL broker: one MQTT identity per connection). What a message or a tick
+// throws, an Error included (the application's held-out features, its signer), is that step's
+// failure, logged, and the follower goes on, as MqttAgent does; only what ends that agent's loop
+// (MqttAgent.endsTheLoop: a broken VM, ThreadDeath, an interrupt) ends the follower's thread, and
+// then with one log line and the cause in stoppedBy(). It caught only RuntimeException: any Error
+// ended its thread in silence, the device following no rollout again.
 package org.fedfleet.device;
 
 import java.net.URI;
@@ -74,6 +79,7 @@ public final class DeploymentFollower implements AutoCloseable {
     private final java.util.Set<String> boundReasons = new java.util.HashSet<>(); // classes reported for assignment boundSeq
     private long boundSeq = -1;
     private volatile boolean running;
+    private volatile Throwable stoppedBy;       // why the follower's thread ended on its own (MqttAgent.endsTheLoop)
     private Thread thread;
 
     public DeploymentFollower(String deviceId, URI broker, ModelSlot slot, HeldOut heldOut, Options options) throws Exception {
@@ -113,18 +119,52 @@ public final class DeploymentFollower implements AutoCloseable {
 
     private String deployTopic() { return o.topics.root + "/v1/deploy/" + deviceId; }
 
+    /** Why the follower's thread ended on its own, or null (running, or ended by close()): what ends
+     *  MqttAgent's loop too (MqttAgent.endsTheLoop). It then follows no rollout; the application
+     *  starts a new follower (or the process). */
+    public Throwable stoppedBy() { return stoppedBy; }
+
     private void run() {
         while (running) {
+            Inbound m;
             try {
-                Inbound m = inbox.poll(200);
-                if (m != null) onPayload(m.topic, m.payload);
-                tick(monotonic());
-            } catch (InterruptedException e) {
+                m = inbox.poll(200);
+            } catch (InterruptedException e) {     // not close(), which only clears `running`: the application's
+                if (running) stop(e, "its thread was interrupted");
                 return;
-            } catch (RuntimeException e) {      // one bad message never stops the device
-                LOG.log(Level.SEVERE, deviceId + ": deployment message raised", e);
             }
+            if (!turn(m == null ? null : m.topic, m == null ? null : m.payload)) return;
         }
+    }
+
+    /** One turn of the follower's thread: the message taken (null: none), then the tick, each guarded
+     *  on its own (a message that throws skips no tick: a fetch's retries and timeout). False: the
+     *  follower stopped (MqttAgent.endsTheLoop). */
+    boolean turn(String topic, byte[] payload) {
+        if (stoppedBy != null) return false;
+        if (payload != null && !guarded("handling a message on " + topic, () -> onPayload(topic, payload))) return false;
+        return guarded("its tick", () -> tick(monotonic()));
+    }
+
+    private boolean guarded(String what, Runnable step) {
+        try {
+            step.run();
+            return true;
+        } catch (Throwable e) {
+            if (MqttAgent.endsTheLoop(e)) {
+                stop(e, e + ", " + what);
+                return false;
+            }
+            LOG.log(Level.SEVERE, deviceId + ": deployment: unexpected error " + what + "; the follower goes on", e);
+            return true;
+        }
+    }
+
+    private void stop(Throwable cause, String what) {
+        stoppedBy = cause;
+        running = false;
+        LOG.log(Level.SEVERE, deviceId + ": the deployment follower stopped (" + what + "): it follows no more"
+                + " rollouts; the application must start it again (DeploymentFollower.stoppedBy)", cause);
     }
 
     private void onPayload(String topic, byte[] payload) {
@@ -248,7 +288,8 @@ public final class DeploymentFollower implements AutoCloseable {
             z = heldOut.features(a.bundleSha256);
             y = heldOut.labels();
             zCurrent = current == null || current.bundleSha256.equals(a.bundleSha256) ? z : heldOut.features(current.bundleSha256);
-        } catch (Exception e) {      // the application's held-out features
+        } catch (Throwable e) {      // the application's held-out features: an Error too is this try's failure
+            if (endsTheFollower(e)) return;
             tryAgain(a, candidate, data, since, "held-out features: " + e.getClass().getSimpleName() + ": " + e.getMessage());
             return;
         }
@@ -257,7 +298,8 @@ public final class DeploymentFollower implements AutoCloseable {
             counts.put("n", y.length);
             counts.put("correct_candidate", slot.correct(candidate, z, y));
             counts.put("correct_current", current == null ? 0 : slot.correct(current.head, zCurrent, y));
-        } catch (Exception e) {      // the head does not fit the features, or the device's labels
+        } catch (Throwable e) {      // the head does not fit the features, or the device's labels
+            if (endsTheFollower(e)) return;
             cannotLoad(a, e);
             return;
         }
@@ -271,7 +313,8 @@ public final class DeploymentFollower implements AutoCloseable {
             } catch (java.io.IOException e) {      // the slot's folder: full, or read-only for a while
                 tryAgain(a, candidate, data, since, "writing the slot: " + e.getMessage());
                 return;
-            } catch (Exception e) {
+            } catch (Throwable e) {
+                if (endsTheFollower(e)) return;
                 cannotLoad(a, e);
                 return;
             }
@@ -287,7 +330,17 @@ public final class DeploymentFollower implements AutoCloseable {
         report(a, counts);
     }
 
-    private void cannotLoad(ModelSlot.Assignment a, Exception e) {
+    /** Whether {@code e} ends the follower (MqttAgent.endsTheLoop) rather than this try: such an Error
+     *  is thrown on to the turn's guard, which stops it; an interrupt is set again on the thread,
+     *  whose next wait stops it (run). */
+    private static boolean endsTheFollower(Throwable e) {
+        if (!MqttAgent.endsTheLoop(e)) return false;
+        if (e instanceof Error) throw (Error) e;
+        Thread.currentThread().interrupt();
+        return true;
+    }
+
+    private void cannotLoad(ModelSlot.Assignment a, Throwable e) {
         refuse("head cannot be loaded, staying on the current version: " + e.getClass().getSimpleName() + ": " + e.getMessage(), a, "load");
     }
 

@@ -43,19 +43,37 @@ final class DeviceConnection {
      *  and every message (topic, payload) handed to {@code queue} for the owner's thread, then acknowledged;
      *  {@code queue} answers false when the owner's inbox is full (the inbox counts the drop and logs it,
      *  at most once per 10 s: a flood must not flood the log).
-     *  {@code label} starts the log lines ("dev1:", "dev1: deployment"). */
+     *  {@code label} starts the log lines ("dev1:", "dev1: deployment"). Each callback runs guarded
+     *  (onClientThread). */
     @SuppressWarnings("deprecation")   // Listener: ExtendedListener's extra callbacks are not needed
     static void listen(CallbackConnection connection, String label, Runnable onConnected, Runnable onDisconnected,
                        BiPredicate<String, byte[]> queue) {
         connection.listener(new Listener() {
-            @Override public void onConnected() { onConnected.run(); }
-            @Override public void onDisconnected() { onDisconnected.run(); }
+            @Override public void onConnected() { onClientThread(label, "announcing the connection", onConnected); }
+            @Override public void onDisconnected() { onClientThread(label, "on a lost connection", onDisconnected); }
             @Override public void onPublish(UTF8Buffer topic, Buffer body, Runnable ack) {
-                queue.test(topic.toString(), body.toByteArray());      // a drop is counted and logged (rate-limited) by the inbox
+                // a drop is counted and logged (rate-limited) by the inbox; acknowledged even when it throws,
+                // or the broker delivered it again on every reconnect, failing the same way
+                onClientThread(label, "queueing a message", () -> queue.test(topic.toString(), body.toByteArray()));
                 ack.run();
             }
             @Override public void onFailure(Throwable e) { LOG.log(Level.WARNING, label + " connection failure", e); }
         });
+    }
+
+    /** Runs {@code step}, a callback of the MQTT client on its own thread, guarded: what it throws is
+     *  logged and the connection goes on, except what ends a device's loop (MqttAgent.endsTheLoop),
+     *  thrown on. Unguarded, anything it threw reached the client's transport (hawtdispatch's
+     *  TcpTransport.drainInbound), which printed it and dropped the connection as failed: the client
+     *  reconnected and called the same step again, so a step that always throws (an application's
+     *  signer failing the presence) made the device reconnect for ever, every 0.2 to 5 s. */
+    static void onClientThread(String label, String what, Runnable step) {
+        try {
+            step.run();
+        } catch (Throwable e) {
+            if (MqttAgent.endsTheLoop(e)) throw e;
+            LOG.log(Level.SEVERE, label + " unexpected error " + what + " (on the MQTT client's thread); the connection goes on", e);
+        }
     }
 
     /** Asks the client to connect (it retries on its own) and starts the owner's daemon thread running {@code loop}. */

@@ -167,21 +167,25 @@ public final class MqttAgent implements AutoCloseable {
         Topic inbox = new Topic(o.topics.inbox(deviceId), QoS.AT_LEAST_ONCE);
         Topic[] topics = o.state == null ? new Topic[] {inbox} : new Topic[] {inbox, new Topic(o.topics.jobEnds(), QoS.AT_LEAST_ONCE)};
         connection.subscribe(topics, new Callback<byte[]>() {
-            @Override public void onSuccess(byte[] granted) {
-                try {
-                    connection.publish(o.topics.presence(deviceId), presence(true), QoS.AT_LEAST_ONCE, true, new Callback<Void>() {
-                        @Override public void onSuccess(Void v) {
-                            if (firstConnect.getCount() == 0) reconnects.incrementAndGet();
-                            firstConnect.countDown();
-                        }
-                        @Override public void onFailure(Throwable e) { LOG.warning(deviceId + ": presence failed: " + e); }
-                    });
-                } catch (EnvelopeError e) {
-                    LOG.severe(deviceId + ": cannot encode presence: " + e.getMessage());
-                }
+            @Override public void onSuccess(byte[] granted) {       // on the client's thread too: guarded
+                DeviceConnection.onClientThread(deviceId + ":", "saying online", () -> sayOnline());
             }
             @Override public void onFailure(Throwable e) { LOG.warning(deviceId + ": subscribe failed: " + e); }
         });
+    }
+
+    private void sayOnline() {
+        try {
+            connection.publish(o.topics.presence(deviceId), presence(true), QoS.AT_LEAST_ONCE, true, new Callback<Void>() {
+                @Override public void onSuccess(Void v) {
+                    if (firstConnect.getCount() == 0) reconnects.incrementAndGet();
+                    firstConnect.countDown();
+                }
+                @Override public void onFailure(Throwable e) { LOG.warning(deviceId + ": presence failed: " + e); }
+            });
+        } catch (EnvelopeError e) {
+            LOG.severe(deviceId + ": cannot encode presence: " + e.getMessage());
+        }
     }
 
     private byte[] presence(boolean online) throws EnvelopeError {
