@@ -9,7 +9,9 @@ A writer holds an exclusive ``flock`` on ``.<name>.write-lock`` beside the desti
 it stages until its folders are gone, so whatever staging (``.<name>.partial-*``) or retired bundle
 (``.<name>.old-*``) the next writer finds there belongs to a writer that died (SIGKILL, power cut):
 it deletes them, first putting a retired bundle back when its writer was killed between the two
-renames of a replacement (the destination missing, that writer's staging still there). A lock rather than the writer's pid in the folder name:
+renames of a replacement (the destination missing, that writer's staging still there). It mends
+the other destinations' leftovers in that folder too, those whose lock file a killed writer left and
+no live writer holds (tried without waiting). A lock rather than the writer's pid in the folder name:
 the kernel drops it when its holder dies, whatever pid reuse, pid namespaces (containers) or other
 hosts sharing the folder would make of a pid. It is not ``fedfleet.bundles``' ``.<name>.lock``,
 which that module holds around a whole export ending in this write (a second flock on that file
@@ -78,6 +80,7 @@ def write_bundle(out_dir: str | Path, manifest: Manifest, files: Mapping[str, by
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _WriterLock(out_dir):
         _recover_from_dead_writers(out_dir)
+        _recover_dead_writers_beside(out_dir)
         _check_replaceable(out_dir, overwrite)
         _replace_with_staged(out_dir, manifest, files)
     return out_dir / MANIFEST_FILENAME
@@ -133,24 +136,39 @@ class _WriterLock:
         self.path = out_dir.parent / f".{out_dir.name}{LOCK_SUFFIX}"
 
     def __enter__(self) -> None:
+        self.acquire(wait=True)
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def acquire(self, wait: bool) -> bool:
+        """Lock, waiting for a live holder when ``wait``; else False at once when one holds it, or when
+        no lock file is there (no writer, live or dead, left one: there is nothing to mend)."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if wait else 0)
         while True:
             # O_NOFOLLOW: a link planted under the lock's name is refused, not followed to its target
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fd = os.open(self.path, flags, 0o644)
+            except FileNotFoundError:
+                return False                # only without O_CREAT
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
                 locked, named = os.fstat(fd), os.stat(self.path, follow_symlinks=False)
             except FileNotFoundError:
                 os.close(fd)                # deleted by the writer before us: lock the next one
                 continue
+            except BlockingIOError:
+                os.close(fd)                # a live writer holds it
+                return False
             except BaseException:
                 os.close(fd)
                 raise
             if (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino):
                 self.fd = fd
-                return
+                return True
             os.close(fd)
 
-    def __exit__(self, *exc_info) -> None:
+    def release(self) -> None:
         try:
             os.unlink(self.path)
         except OSError:
@@ -193,6 +211,33 @@ def _recover_from_dead_writers(out_dir: Path) -> None:
             shutil.rmtree(folder)
         except OSError as error:    # what is left is a dead writer's: no reason to refuse this export
             log.warning("could not delete %s, left by an export that died: %s", folder, error)
+
+
+def _recover_dead_writers_beside(out_dir: Path) -> None:
+    """Mend the leftovers of dead writers of other destinations in ``out_dir``'s folder: a name never
+    written again (fedfleet.bundles names its folders after the exporter's revision and the weights'
+    digest) kept a killed export's staging for good. Only a destination whose writer lock file is there
+    is looked at (a killed writer never deleted its own; a folder merely named like a leftover is not
+    the exporter's), and only when its lock is free at once: a live writer's is never waited for nor
+    touched. Taking a second lock without waiting cannot deadlock with a writer that holds it and tries
+    ours. A failure here is logged: it is no reason to refuse this export."""
+    with os.scandir(out_dir.parent) as entries:
+        locks = [entry.name for entry in entries if entry.name.startswith(".")
+                 and entry.name.endswith(LOCK_SUFFIX) and entry.is_file(follow_symlinks=False)]
+    for name in (lock_name[1:-len(LOCK_SUFFIX)] for lock_name in locks):
+        if name in ("", ".", "..", out_dir.name):       # the first three name no sibling folder
+            continue
+        other = out_dir.parent / name
+        lock = _WriterLock(other)
+        try:
+            if not lock.acquire(wait=False):
+                continue
+            try:
+                _recover_from_dead_writers(other)
+            finally:
+                lock.release()
+        except OSError as error:
+            log.warning("could not mend what a dead export of %s left: %s", other, error)
 
 
 def _holds_earlier_export(out_dir: Path) -> bool:

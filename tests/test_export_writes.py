@@ -178,15 +178,20 @@ def test_a_bundle_replaced_before_its_writer_was_killed_is_never_put_back(tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
 
 
+def wait_for_staging(process: subprocess.Popen, staging: Path) -> None:
+    """Until the writer ``process`` (``fsync:1:wait``) has staged its first file and waits."""
+    deadline = time.monotonic() + 60
+    while not staging.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert staging.exists(), process.stderr.read() if process.poll() is not None else "no staging in 60 s"
+
+
 def test_a_live_writers_staging_is_left_alone_and_a_second_writer_waits_for_it(tmp_path):
     out, staging, go = tmp_path / "bundle", tmp_path / "staging", tmp_path / "go"
     write_small_bundle(out, data=b"first")
     process = writer_process(out, "fsync:1:wait", staging, go)
     try:
-        deadline = time.monotonic() + 60
-        while not staging.exists() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert staging.exists(), process.stderr.read() if process.poll() is not None else "no staging in 60 s"
+        wait_for_staging(process, staging)
         (partial,) = tmp_path.glob(".bundle.partial-*")
         second = threading.Thread(target=write_small_bundle, args=(out,), kwargs=dict(overwrite=True, data=b"2nd"))
         second.start()
@@ -201,6 +206,54 @@ def test_a_live_writers_staging_is_left_alone_and_a_second_writer_waits_for_it(t
     assert not second.is_alive()
     assert (out / "inference_eager.pt").read_bytes() == b"2nd"           # written after the other one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "go", "staging"]
+
+
+@pytest.mark.parametrize("stop_at,old_bundle", [
+    ("fsync:1:kill", b"first"),                     # mid-staging
+    ("replace:1:kill", b"first"),                   # between the renames: the destination missing
+    ("replace:2:kill", b"the killed writer's"),     # after them: the replaced bundle retired beside it
+])
+def test_a_killed_writers_leftovers_are_mended_by_a_write_to_another_bundle_beside_it(tmp_path, stop_at,
+                                                                                      old_bundle):
+    """Only a write to the same destination mended a killed writer's leftovers, so those of a name never
+    written again stayed for good: fedfleet.bundles names its folders after the exporter's revision and
+    the weights' digest, so a killed export's staging outlived every later one. A folder merely named
+    like a leftover, with no writer's lock file beside it, is none of the exporter's and stays."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_small_bundle(old, data=b"first")
+    killed_writer(old, stop_at)
+    assert (tmp_path / ".old.write-lock").is_file() and len(list(tmp_path.glob(".old.*-*"))) >= 1
+    # the last beside a lock file of a destination ".." (its parent: no bundle's name)
+    lookalikes = [tmp_path / name for name in (".notes.partial-abcd1234", ".cache.old-20240101", "....partial-abcd1234")]
+    for folder in lookalikes:
+        folder.mkdir()
+        (folder / "mine.txt").write_text("the user's")
+    (tmp_path / "....write-lock").touch()
+    write_small_bundle(new, data=b"second")
+    assert (old / "inference_eager.pt").read_bytes() == old_bundle
+    assert (new / "inference_eager.pt").read_bytes() == b"second"
+    expected = ["new", "old", "....write-lock"] + [folder.name for folder in lookalikes]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
+    assert all((folder / "mine.txt").read_text() == "the user's" for folder in lookalikes)
+
+
+def test_a_live_writers_staging_is_left_alone_by_a_write_to_another_bundle(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    staging, go = tmp_path / "staging", tmp_path / "go"
+    write_small_bundle(old, data=b"first")
+    process = writer_process(old, "fsync:1:wait", staging, go)
+    try:
+        wait_for_staging(process, staging)
+        (partial,) = tmp_path.glob(".old.partial-*")
+        write_small_bundle(new, data=b"second")          # does not wait for the other destination's writer
+        assert partial.is_dir() and (tmp_path / ".old.write-lock").is_file()
+        go.touch()
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+    finally:
+        go.touch()
+        process.wait(timeout=60)
+    assert (old / "inference_eager.pt").read_bytes() == b"the killed writer's"     # its write completed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "new", "old", "staging"]
 
 
 def test_the_summary_names_every_artifact_kind_of_a_tail_bundle(tmp_path):
