@@ -94,17 +94,18 @@ class FeatureExtractor:
         """
         import torch
 
-        from edge_client.models import build_backbone, weights_sha256
+        from edge_client.models import pretrained_backbone
 
         if threads is not None:
             torch.set_num_threads(threads)
-        backbone = build_backbone(backbone_name, pretrained=True)
+        # the weights file read once: the cache key names the digest of the very bytes loaded
+        backbone, digest = pretrained_backbone(backbone_name)
 
         def forward(batch: np.ndarray) -> np.ndarray:
             with torch.inference_mode():
                 return backbone(torch.from_numpy(batch)).numpy()
 
-        cache_key = f"{backbone_name}:{weights_sha256(backbone_name)}:{image_size}:eager"
+        cache_key = f"{backbone_name}:{digest}:{image_size}:eager"
         return cls(forward, image_size=image_size, mean=backbone.mean, std=backbone.std,
                    batch_size=batch_size, cache_dir=cache_dir, cache_key=cache_key,
                    feature_dim=backbone.feature_dim)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import threading
 
 import numpy as np
@@ -19,20 +18,8 @@ from export import export_bundle, pipeline
 from export.cli import main
 from export.parity import load_calibration_images, load_parity_images
 from export.request import ExportError
+from opened_files import opened_files
 from protocols.bundle_manifest import read_manifest
-
-# Paths opened while a test records them (a list here), through Python's "open" audit event: every
-# open() / io.open / os.open, whoever calls it (torch.load, hashing, Path.read_bytes). Audit hooks
-# cannot be removed, so the one hook stays and records nothing between tests.
-_opened: list[str] | None = None
-
-
-def _record_opens(event: str, args: tuple) -> None:
-    if event == "open" and _opened is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _opened.append(os.path.realpath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_record_opens)
 
 
 def _without_blocking(call, fifo):
@@ -83,18 +70,13 @@ def test_the_weights_digest_is_that_of_the_bytes_loaded(tmp_path, monkeypatch):
 def test_an_export_reads_the_default_pretrained_weights_once(tmp_path):
     """The default weights were hashed (weights_sha256), then loaded by path (torch.load): two reads of
     the file per export, and a digest that need not be that of the bytes loaded."""
-    global _opened
     weights = os.path.realpath(weights_path("mobilenet_v2"))
     edge_client.models._file_sha256.cache_clear()   # as in a new process: no digest cached by another test
-    _opened = []
-    try:
+    with opened_files() as opened:
         manifest = export_bundle("mobilenet_v2", tmp_path / "bundle", num_classes=3, image_size=32,
                                  inference_runtimes=("eager",), training=False,
                                  parity_images=load_parity_images(count=4))
-        reads = _opened.count(weights)
-    finally:
-        _opened = None
-    assert reads == 1
+    assert opened.count(weights) == 1
     with open(weights, "rb") as file:
         assert read_manifest(manifest).weights_sha256 == hashlib.sha256(file.read()).hexdigest()
 

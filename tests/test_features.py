@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 import numpy as np
 import pytest
 import torch
 
+import edge_client.models
 from edge_client.features import FeatureExtractor
-from edge_client.models import build_backbone, weights_sha256
+from edge_client.models import build_backbone, weights_path, weights_sha256
 from edge_client.preprocess import to_model_input
+from opened_files import opened_files
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -200,6 +205,18 @@ def test_eager_extractor_uses_the_pretrained_backbone(mobilenet, tmp_path):
     assert "32" in extractor.cache_key and "eager" in extractor.cache_key
     np.testing.assert_allclose(extractor.extract(images), direct_features(mobilenet, images, 32),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_the_eager_extractor_reads_the_weights_once_and_keys_its_cache_on_their_digest(tmp_path):
+    """It loaded the weights file (build_backbone), then read it again to hash it for the cache key
+    (weights_sha256): two reads, and a key that need not name the weights loaded."""
+    weights = os.path.realpath(weights_path("mobilenet_v2"))
+    edge_client.models._file_sha256.cache_clear()   # as in a new process: no digest cached by another test
+    with opened_files() as opened:
+        extractor = FeatureExtractor.eager("mobilenet_v2", image_size=32, cache_dir=tmp_path)
+    assert opened.count(weights) == 1
+    with open(weights, "rb") as file:
+        assert extractor.cache_key == f"mobilenet_v2:{hashlib.sha256(file.read()).hexdigest()}:32:eager"
 
 
 def cache_files(directory):
