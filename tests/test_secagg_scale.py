@@ -93,6 +93,19 @@ def test_high_dropouts_give_a_degree_past_a_thousand_holders_not_an_overflow(n, 
     assert binomial_below(holders, holders // 2 + 1, 0.6) == sum(
         math.comb(holders, s) * 0.6 ** s * 0.4 ** (holders - s) for s in range(holders // 2 + 1))
 
+def test_the_exact_binomial_tail_is_the_sum_of_math_comb_terms_bit_for_bit():
+    """Up to EXACT_HOLDERS the tail is summed term by term, C(h, s) an exact integer carried from
+    one term to the next: every (h, t, keep) gives the bits of the sum of math.comb(h, s) · keep^s ·
+    (1 − keep)^(h − s) for s < t, the degrees jobs draw depend on it."""
+    from protocols.secagg.graph import EXACT_HOLDERS, binomial_below
+
+    for holders in (1, 2, 3, 16, 129, 700, EXACT_HOLDERS):
+        for keep in (0.0, 0.5, 0.51, 0.55, 0.9, 1.0):
+            for t in {0, 1, holders // 2 + 1, holders, holders + 1}:
+                want = sum(math.comb(holders, s) * keep ** s * (1.0 - keep) ** (holders - s) for s in range(t))
+                assert binomial_below(holders, t, keep) == want, (holders, t, keep)
+
+
 def test_the_ring_graph_splits_only_when_two_runs_of_half_the_degree_drop():
     """The premise of the security bound, checked by brute force on small rings: the survivors of
     a SecAgg+ graph are disconnected exactly when two disjoint runs of >= k/2 consecutive ring

@@ -69,7 +69,7 @@ def binomial_below(holders: int, t: int, keep: float) -> float:
     logarithms, log C(h, s) as a running sum of log((h − s + 1) / s), summed from the largest."""
     drop = 1.0 - keep
     if holders <= EXACT_HOLDERS:
-        return sum(math.comb(holders, s) * keep ** s * drop ** (holders - s) for s in range(t))
+        return sum(_exact_terms(holders, t, keep, drop))
     if drop == 0.0:                 # every holder stays: fewer than t only when t exceeds them all
         return 1.0 if t > holders else 0.0
     s = np.arange(t, dtype=np.float64)
@@ -77,6 +77,17 @@ def binomial_below(holders: int, t: int, keep: float) -> float:
     log_terms = log_comb + s * math.log(keep) + (holders - s) * math.log(drop)
     top = float(log_terms.max())
     return math.exp(top) * float(np.exp(log_terms - top).sum())
+
+
+def _exact_terms(holders: int, t: int, keep: float, drop: float):
+    """C(h, s) keep^s (1 − keep)^(h − s) for s < t, C(h, s) kept as an exact integer from the one
+    before (C(h, s + 1) = C(h, s) (h − s) / (s + 1), divisible): the same terms, bit for bit, as
+    math.comb(h, s) for each, which redid the whole product each time (degree_for scans every even
+    degree, so a group of 2,000 at a 0.45 drop-out rate cost ~1 CPU-s per job build)."""
+    comb = 1
+    for s in range(t):
+        yield comb * keep ** s * drop ** (holders - s)
+        comb = comb * (holders - s) // (s + 1)
 
 
 def split_probability_log2(n: int, degree: int, removed_rate: float) -> float:
