@@ -40,9 +40,12 @@ def shared_server() -> ForkServer:
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
             env.pop("FEDFLEET_CRASH_AT", None)
-            # what every child imports first, and what ``serve`` imports on its way
+            # what every child imports first, and what ``serve`` imports on its way; the admin API's
+            # app (FastAPI, ~0.6 CPU-s) too, which ``serve --api`` imports when it starts the API: the
+            # crash tests create their jobs through it, so each first run imported it again
             _shared = ForkServer(["aggregator", "aggregator.api.server", "aggregator.service.loop",
-                                  "aggregator.storage.store"], env, cwd=REPO)
+                                  "aggregator.storage.store", "aggregator.deployments.controller",
+                                  "aggregator.api.app"], env, cwd=REPO)
         return _shared
 
 
