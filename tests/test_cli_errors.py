@@ -314,13 +314,14 @@ def test_python_m_aggregator_reports_a_mistake_as_fedfleet_aggregator_does(files
 @pytest.mark.parametrize("command", [["simulate", "--config"], ["aggregator", "serve", "--out", "o", "--config"]])
 def test_a_config_is_checked_before_torch_is_imported(tmp_path, command):
     """The job registry every config check builds on imports torch only where the jobs compute:
-    a mistake in a config is reported without torch's import first (0.30x the time: bench/cli_start.py)."""
+    a mistake in a config is reported without torch's import first (0.30x the time: bench/cli_start.py),
+    nor scipy's (the CPU's LAPACK calls import it where they factorise: aggregator/compute/device.py)."""
     bad = tmp_path / "bad.json"
     bad.write_text('{"devices": 4, "devices": 5}')
-    code = "import sys\nfrom fedfleet.cli import main\nprint(main(sys.argv[1:]), 'torch' in sys.modules)"
+    code = "import sys\nfrom fedfleet.cli import main\nprint(main(sys.argv[1:]), 'torch' in sys.modules, 'scipy' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code, *command, str(bad)], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
-    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.split() == ["2", "False", "False"], (proc.stdout, proc.stderr[-2000:])
     assert "duplicate key 'devices'" in proc.stderr
 
 

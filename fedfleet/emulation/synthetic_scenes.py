@@ -26,7 +26,6 @@ import functools
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import ndimage
 
 CLASSES = ("sky", "building", "vegetation", "road", "sidewalk", "vehicle", "person")
 SKY, BUILDING, VEGETATION, ROAD, SIDEWALK, VEHICLE, PERSON = range(len(CLASSES))
@@ -120,6 +119,8 @@ def _patch(rng: np.random.Generator, name: str, size: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- rendering
 def _smooth_noise(rng: np.random.Generator, size: int, scale: float) -> np.ndarray:
+    from scipy import ndimage      # here: the configs' checks import this module's names, not its rendering
+
     n = ndimage.gaussian_filter(rng.normal(size=(size, size)), scale * size)
     return (n - n.mean()) / (n.std() + 1e-9)
 
@@ -272,6 +273,8 @@ def apply_appearance(image: np.ndarray, shift: AppearanceShift, rng: np.random.G
         m = x.mean()
         x = m + j(shift.contrast) * (x - m)
     if shift.blur_sigma:
+        from scipy import ndimage
+
         x = ndimage.gaussian_filter(x, (abs(j(shift.blur_sigma)), abs(j(shift.blur_sigma)), 0))
     S = x.shape[0]
     if shift.overlay == "rain":
