@@ -541,3 +541,39 @@ def test_each_secure_head_kind_declines_bad_params_in_its_own_name():
         assert handler.kind == secure_kind
         with pytest.raises(TaskDeclined, match=rf"bad {re.escape(secure_kind)} params"):
             handler.vector({"max_samples": "many"}, {})
+
+
+class ApplicationStop(BaseException):
+    """An application's own BaseException (not an Exception): the agent takes it as the task's
+    failure, declines and goes on (protocols/message_loop.py ENDS_THE_LOOP), so the device keeps
+    serving the job with whatever state the failed task left."""
+
+
+@pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
+def test_a_handler_base_exception_after_it_saved_puts_its_state_back(tmp_path, keys, kind):
+    """The plain handler saved this round's c_k / v_k, then a BaseException that is no Exception
+    ends the task: nothing is sent, so the job's entry goes back to the round the device did send,
+    byte for byte, as for a decline (it stayed advanced: the device's next round started from a
+    step the server never counted)."""
+    job = secure_job(kind, tmp_path, keys)
+    job.next_participants(set(DEVICES))
+    params, tensors = job.task_for("dev0")
+    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    store, job_id = client.training.store, job.config.job_id
+    client.on_task("sec", job.round, params, tensors)          # a sent round: its state is kept
+    finished(client)
+    sent = store.load(job_id, None)
+
+    class StopsAfterSaving(type(client.training)):
+        def __call__(self, *args, **kwargs):
+            super().__call__(*args, **kwargs)
+            raise ApplicationStop("the application stopped the work after the handler saved")
+
+    client.training.__class__ = StopsAfterSaving
+    later = {**params, "state": {**params["state"], "round": params["state"]["round"] + 1}}
+    with pytest.raises(ApplicationStop):
+        client.on_task("sec", job.round + 1, later, tensors)
+    kept = store.load(job_id, None)
+    assert (kept.run, kept.round, sorted(kept.arrays)) == (sent.run, sent.round, sorted(sent.arrays))
+    for name, value in sent.arrays.items():
+        assert kept.arrays[name].tobytes() == value.tobytes(), name
