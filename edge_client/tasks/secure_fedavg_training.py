@@ -175,7 +175,8 @@ def state_restored_on_decline(training, params: dict, kind: str):
     before = store.load(job_id, None)
     try:
         yield
-    except Exception:       # any failure sends nothing: a declined task, or one whose result could not be built
+    except BaseException:   # any failure sends nothing: a declined task, one whose result could not be built, or
+        # a BaseException of the application's (the agent declines it and goes on: message_loop.ENDS_THE_LOOP)
         put_back(store, job_id, before)
         raise                       # the decline, whatever the store did (as Java's putBack)
 
