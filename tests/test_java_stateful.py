@@ -320,6 +320,32 @@ def test_secure_stateful_vectors_are_the_python_devices(java_cp, tmp_path, kind,
         assert np.abs(java_state.arrays[k] - v).max() <= CONTROL_ATOL, k
 
 
+class FailingNoise:
+    """A noise source whose every draw fails (an AssertionError: a bug in it, say)."""
+
+    def poisson(self, *args, **kwargs):
+        raise AssertionError("the noise source failed")
+
+
+def test_a_secure_stateful_task_failing_after_its_handler_kept_state_puts_it_back(java_cp, tmp_path):
+    """A ditto.head.secure task under distributed DP whose noise draw throws an Error after the
+    plain handler kept the round's v_k: nothing is sent (the agent declines the task and goes on:
+    MqttAgent.endsTheLoop), so the job's entry goes back to before the round (none: a first round
+    keeps nothing), as the Python device's (state_restored_on_decline). The Java device put it back
+    only for a TaskDeclined: it kept the v_k of a round it never sent."""
+    from edge_client.state import DeviceStateStore
+
+    dp = {"stddev": 0.01, "scale_bits": 16, "threshold": 3, "clip_norm": 1.0}
+    plain, params, tensors, Z, y, heldout, wrapper = secure_stateful_case(tmp_path, "ditto.head.secure", {"dp": dp})
+    wrapper.noise_rng = FailingNoise()
+    with pytest.raises(AssertionError, match="the noise source failed"):
+        wrapper.vector(params, tensors)
+    assert DeviceStateStore(tmp_path / "py-state").load("sec-1", None) is None
+    out = java(java_cp, "--noise-fails", tmp_path / "task.bin", tmp_path / "f.feat", heldout, tmp_path / "java-state")
+    assert out.startswith("FAILED java.lang.AssertionError: the noise source failed"), out
+    assert DeviceStateStore(tmp_path / "java-state").load("sec-1", None) is None
+
+
 @pytest.mark.parametrize("kind", ["scaffold.head.secure", "ditto.head.secure"])
 def test_a_secure_stateful_task_sent_again_for_its_live_round_trains_once(java_cp, tmp_path, kind):
     """The aggregator re-sends a scaffold.head.secure / ditto.head.secure task while its SecAgg

@@ -13,6 +13,8 @@
 //          default in memory) given a scaffold.head.secure or ditto.head.secure task twice, its state
 //          store's clock an hour later the second time; prints "START <opened> TRAINED <contributions
 //          computed so far>" per delivery, or "DECLINED TRAINED <so far> <reason>" (retask)
+//        java TaskRunner --noise-fails <task.bin> <features> <held-out features or "-"> <state folder>: a
+//          ditto.head.secure task under DP whose noise source throws an AssertionError: "FAILED <it>"
 //        java TaskRunner --leave <task.bin> <features> <held-out features or "-"> <state folder>: one device
 //          (SecureRounds) given a scaffold.head.secure or ditto.head.secure task, run until an hour on, whose
 //          round is then over before it finished (the agent's tick past its end); prints "START <opened>"
@@ -109,6 +111,9 @@ public final class TaskRunner {
         }
         if (args[0].equals("--leave")) {
             return leave(args);
+        }
+        if (args[0].equals("--noise-fails")) {
+            return noiseFails(args);
         }
         if (args[0].equals("--batch")) {
             byte[] aggregatorKey = Envelope.unhex(args[2]);
@@ -290,6 +295,33 @@ public final class TaskRunner {
         }
         sessions.expire(now + 3601);
         return "START " + opened + "\nLEFT " + sessions.open() + "\n";
+    }
+
+    /** --noise-fails: a ditto.head.secure task under distributed DP whose noise source throws an
+     *  Error (an AssertionError) after the plain handler kept the round's v_k: prints "FAILED <it>"
+     *  (the agent declines the task and goes on: MqttAgent.endsTheLoop), the state folder left as
+     *  the device left it (tests/test_java_stateful.py). */
+    static String noiseFails(String[] args) throws Exception {
+        Envelope.Message msg = Envelope.decode(Files.readAllBytes(Paths.get(args[1])));
+        Messages.Task task = Messages.parseTask(msg);
+        FeatureFile data = FeatureFile.read(args[2]);
+        FeatureFile heldOut = args[3].equals("-") ? null : FeatureFile.read(args[3]);
+        DeviceStateStore store = new DeviceStateStore(new java.io.File(args[4]), DeviceStateStore.DEFAULT_BUDGET_BYTES,
+                () -> System.currentTimeMillis() / 1000.0);
+        java.lang.reflect.Constructor<SkellamNoise> make = SkellamNoise.class.getDeclaredConstructor(Random.class);
+        make.setAccessible(true);
+        SkellamNoise failing = make.newInstance(new Random() {
+            @Override public double nextDouble() { throw new AssertionError("the noise source failed"); }
+        });
+        SecureTask training = SecureStatefulHeadTask.ditto(new DittoTask(data, heldOut, new PrecomputedFeatures(data.dim), store), failing);
+        try {
+            training.contribute(task.params, msg.tensors);
+            return "CONTRIBUTED\n";
+        } catch (TaskDeclined declined) {
+            return "DECLINED " + declined.getMessage() + "\n";
+        } catch (Throwable e) {
+            return "FAILED " + e + "\n";
+        }
     }
 
     /** A secure kind in the batch (args: task, features, result, round config JSON[, held-out
