@@ -59,9 +59,12 @@ public final class SecureStatefulHeadTask implements SecureTask {
                 DeviceStateStore.Entry now = training.stateBefore(job);     // only this round's own entry
                 if (now != null && now.run.equals(binding.run) && now.round == binding.round) training.putBack(job, before);
             });
-        } catch (TaskDeclined declined) {
-            training.putBack(job, before);         // sends nothing: its state goes back to before the round
-            throw declined;
+        } catch (Throwable failed) {
+            // sends nothing: its state goes back to before the round, whatever ended the task (a decline,
+            // a RuntimeException, an Error: MqttAgent declines those too and goes on serving the job), as
+            // the Python device's state_restored_on_decline
+            training.putBack(job, before);
+            throw failed;
         }
     }
 
