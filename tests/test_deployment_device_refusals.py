@@ -126,14 +126,18 @@ class FlakyHoldout:
     """The application's held-out features, failing its first ``failures`` reads (a disk busy, a
     store being rotated) and then giving the device's split."""
 
-    def __init__(self, features, failures):
-        self.features, self.failures, self.reads = features, failures, 0
+    def __init__(self, features, failures, error=OSError):
+        self.features, self.failures, self.reads, self.error = features, failures, 0, error
 
     def __call__(self, bundle):
         self.reads += 1
         if self.reads <= self.failures:
-            raise OSError(f"held-out store unavailable (read {self.reads})")
+            raise self.error(f"held-out store unavailable (read {self.reads})")
         return self.features
+
+
+class ApplicationStop(BaseException):
+    """An application's own BaseException (not an Exception)."""
 
 
 def test_a_passing_failure_of_the_devices_features_is_tried_again_not_reported_as_a_refusal(setup, world):
@@ -163,3 +167,20 @@ def test_a_passing_failure_of_the_devices_features_is_tried_again_not_reported_a
     reads = broken.reads
     time.sleep(1.2)                   # and not after
     assert broken.reads == reads
+
+
+def test_a_passing_base_exception_of_the_devices_features_is_tried_again_as_any_failure(setup, world):
+    """The application's held-out features fail with a BaseException that is no Exception (its own,
+    an asyncio CancelledError): that read's failure, tried again every retry_s as an OSError is (the
+    Java follower takes an Error the same way), and the rollout completes. It escaped the follower's
+    checks to its loop, which logged it and went on with the assignment dropped: no retry, no
+    report, the rollout waiting on the device."""
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    flaky = FlakyHoldout(world["holdout"]["cam-0"], failures=2, error=ApplicationStop)
+    follower = fleet.start("cam-0", holdout=flaky)
+    ctl = controller()
+    ctl.call(lambda: ctl.deploy(good, cohort="devices:cam-0", stages="100%", bake_s=0.1, min_reports=1,
+                                guard="refused<=0", deployment_id="good-1"))
+    wait_for(lambda: store_state(store, "good-1") == "complete", timeout=15, what="the rollout despite two failed reads")
+    assert flaky.reads == 3 and not follower.refusals and fleet.sha("cam-0") == D_sha(world["good"])
