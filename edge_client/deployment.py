@@ -54,7 +54,7 @@ from edge_client.oll import prune
 from protocols.envelope import EnvelopeError, parse_strict_json
 from protocols.files import write_atomic
 from protocols.identity import sender_verifier
-from protocols.message_loop import QueueBound
+from protocols.message_loop import ENDS_THE_LOOP, QueueBound
 from protocols.mqtt_link import BrokerConfig, LinkWorker, MqttLink
 from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import ARTIFACT, ArtifactDigestMismatch, get_message, parse_artifact
@@ -506,12 +506,19 @@ class DeploymentFollower(LinkWorker):
             Z, y = self.holdout(bundle)
             # the current head is judged on its own bundle's features (the same ones, unless the bundle changed)
             Z_current = Z if current is None or current.bundle_sha256 == bundle else self.holdout(current.bundle_sha256)[0]
-        except Exception as exc:        # the application's held-out features
+        except ENDS_THE_LOOP:
+            raise
+        # the application's held-out features: a BaseException of its own too is this try's failure (its
+        # loop's policy, protocols/message_loop.py; the Java follower's for an Error), not one that drops
+        # the assignment unanswered
+        except BaseException as exc:
             return self._try_again(a, data, swap, since, f"held-out features: {type(exc).__name__}: {exc}")
         try:
             counts = {"n": len(y), "correct_candidate": self.slot.correct(candidate, Z, y),
                       "correct_current": self.slot.correct(current, Z_current, y) if current is not None else 0}
-        except Exception as exc:        # the head does not fit the bundle's features, or the device's labels
+        except ENDS_THE_LOOP:
+            raise
+        except BaseException as exc:    # the head does not fit the bundle's features, or the device's labels
             return self._cannot_load(a, exc)
         try:
             if swap:
@@ -526,7 +533,7 @@ class DeploymentFollower(LinkWorker):
                  a["deployment"], counts["correct_candidate"], counts["n"], counts["correct_current"])
         self._report(D.report_message(self.device_id, a["deployment"], a["sha256"], seq=a["seq"], **counts))
 
-    def _cannot_load(self, a: dict, exc: Exception) -> None:
+    def _cannot_load(self, a: dict, exc: BaseException) -> None:
         self._refuse(f"head cannot be loaded, staying on the current version: {type(exc).__name__}: {exc}", a, "load")
 
     def _try_again(self, a: dict, data: bytes, swap: bool, since: float | None, why: str) -> None:
