@@ -231,3 +231,29 @@ def test_a_served_job_that_cannot_be_rebuilt_ends_as_a_restart_would_end_it(brok
         assert not (out / "model.npz").exists() and not (out / "statistics.npz").exists()
     finally:
         store.close()
+
+
+def test_a_cancelling_stateful_job_that_cannot_be_built_tells_its_devices_it_ended(tmp_path):
+    """A cancelling Ditto job (its devices keep v_k under its run) that cannot be built again at a
+    start ends cancelled (GivenUp) and, as a cancel of a job not served does, adds its job-end
+    notice with the run its last round gave its devices: they drop its state now. It ended without
+    one: its devices kept the state until the next start of the service listed it
+    (job_end.restored_notices)."""
+    from aggregator.jobs.device_state_fields import RUN_KEY
+    from protocols.payloads.job_end import JobEnded
+
+    head = tmp_path / "head.npz"
+    np.savez(head, coef=np.zeros((3, 4)), intercept=np.zeros(3))
+    store = Store(tmp_path / "state.db")
+    try:
+        store.create_job("d", "ditto", {"job_id": "d", "num_classes": 3, "feature_dim": 4, "init": "fed3r",
+                                        "initial_head_file": str(head)}, state=JobState.CANCELLING)
+        store.open_round("d", 1, ["dev1"], {"dev1": "t1"}, {RUN_KEY: "0123abcd"}, 0.0)
+        head.unlink()
+        svc = AggregatorService(None, BrokerConfig.from_url("mqtt://127.0.0.1:1"), tmp_path / "out",
+                                ServiceSettings(), store=store)
+        assert not svc._start_next_job()
+        assert store.job("d")["state"] == JobState.CANCELLED
+        assert svc.job_ends.notices == [JobEnded("d", "0123abcd", "cancelled")]
+    finally:
+        store.close()
