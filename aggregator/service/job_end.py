@@ -28,6 +28,7 @@ from protocols.topics import AGGREGATOR_ID
 
 from aggregator.jobs.device_state_fields import RUN_KEY, StatefulDevicesJob
 from aggregator.jobs.registry import KINDS
+from aggregator.service.end_failures import after_commit
 from aggregator.storage.store import Store
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -113,6 +114,12 @@ class JobEndNotices:
         except Exception as exc:    # published all the same; the next start lists what this lacks again
             log.error("job-end notices not stored (%s): published all the same, listed again at the next "
                       "start", exc)
+
+    def ended_safely(self, job_id: str, state: str, job=None) -> None:
+        """:meth:`ended`, what it raises logged, never fatal (a job given up as cancelled, its cancel
+        standing, tells its devices as a cancel of a job not served does; the next start lists a
+        notice the store lacks)."""
+        after_commit(job_id, [("its devices' job-end notice", lambda: self.ended(job_id, state, job))])
 
     def ended(self, job_id: str, state: str, job=None) -> JobEnded | None:
         """The job reached a final state: add it (stored first, where the store can), publish the

@@ -66,7 +66,6 @@ from aggregator.service.async_runner import AsyncJobRunner
 from aggregator.service.backoff import Backoff
 from aggregator.security.broker import BrokerSecurity
 from aggregator.service.crash_points import CrashPoints
-from aggregator.service.end_failures import after_commit
 from aggregator.security.fleet import Fleet
 from aggregator.service.contribution_writer import ContributionWriter
 from aggregator.service.ingest import IngestWorkers, accepted_parser, refusal
@@ -251,12 +250,8 @@ class AggregatorService(OperatorActions):
             self._activate(job, self.out_dir / row["job_id"])
         except Exception as exc:  # a stored job that cannot be built must not stop the service
             log.error("cannot start job %s: %s", row["job_id"], exc)
-            job_id = row["job_id"]
-            if job_lifecycle.give_up(self.store, job_id, row["state"], str(exc)) == JobState.CANCELLED:
-                # the operator's cancel stands: its devices drop its state now, as for a cancel of a job not
-                # served (control_job); never fatal (the next start lists a notice the store lacks)
-                after_commit(job_id, [("its devices' job-end notice",
-                                       lambda: self.job_ends.ended(job_id, JobState.CANCELLED))])
+            if job_lifecycle.give_up(self.store, row["job_id"], row["state"], str(exc)) == JobState.CANCELLED:
+                self.job_ends.ended_safely(row["job_id"], JobState.CANCELLED)    # the cancel stands: devices told
             return False
         return True
 
