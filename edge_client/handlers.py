@@ -131,7 +131,7 @@ class SharedExtractors:
             return _Locked(self._made[key], self.lock)
 
     def __call__(self, backbone: str, image_size: int, weights_sha256: str, bundle_sha256: str = ""):
-        # A job's announced bundle is what real devices fetch (fedfleet.device.FetchedBundles);
+        # A job's announced bundle is what real devices fetch (fedfleet.device_bundles.FetchedBundles);
         # the local factory makes its own, so only the weights are checked here.
         from edge_client.models import weights_sha256 as local_sha
 

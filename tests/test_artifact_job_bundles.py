@@ -89,7 +89,7 @@ def test_a_malformed_bundle_digest_is_refused_before_anything_is_fetched(tmp_pat
     from aggregator.jobs.fedavg import FedAvgConfig
     from aggregator.jobs.registry import validate_job_config
     from edge_client.agent import TaskDeclined
-    from fedfleet.device import FetchedBundles
+    from fedfleet.device_bundles import FetchedBundles
 
     for bad in ("../../etc/passwd", "A" * 64, "0" * 63, "info"):
         with pytest.raises(ValueError, match="sha256"):
@@ -115,7 +115,7 @@ def test_a_bundle_fetch_in_a_task_waits_no_longer_than_the_task_and_is_not_retri
     import edge_client.artifacts as artifacts_module
     from edge_client.agent import TaskDeclined
     from edge_client.work_deadline import PastDeadline, working_until
-    from fedfleet.device import FetchedBundles
+    from fedfleet.device_bundles import FetchedBundles
 
     sha = "ab" * 32                         # nobody answers for it: no aggregator on this broker
     fetched = FetchedBundles("cam1", BrokerConfig.from_url(broker.url), Topics(), tmp_path / "b",

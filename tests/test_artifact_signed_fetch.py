@@ -125,7 +125,7 @@ def test_a_device_fetches_a_bundle_from_an_aggregator_requiring_signatures(broke
     device could fetch no bundle (at boot, or for a job naming one). Its requests are signed now,
     its replies (chunked, signed chunk by chunk) verified with the aggregator's key."""
     from aggregator.storage.store import Store
-    from fedfleet.device import FetchedBundles
+    from fedfleet.device_bundles import FetchedBundles
     from protocols.identity import DeviceIdentity
     from protocols.topics import AGGREGATOR_ID
 

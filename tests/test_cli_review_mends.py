@@ -56,7 +56,7 @@ def test_a_report_keeps_the_broker_address_without_its_password():
 
 
 def test_secrets_are_written_owner_only_even_over_an_existing_file(tmp_path):
-    from fedfleet.device import apply_credentials
+    from fedfleet.device_credentials import apply_credentials
     from fedfleet.emulation.identities import make_identities
     from protocols.files import write_private_file
 
@@ -85,7 +85,7 @@ def test_credentials_write_nothing_outside_their_folder_nor_through_a_symlink_no
     wrote a private key one folder up), a symlink planted at <id>.key.pem had its target overwritten
     with the key, and both happened before a bad --broker was refused. Now every field is checked
     first and the files are replaced by a rename (the link itself, never its target)."""
-    from fedfleet.device import apply_credentials
+    from fedfleet.device_credentials import apply_credentials
     from fedfleet.errors import UserError
 
     folder = tmp_path / "creds"

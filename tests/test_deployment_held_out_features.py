@@ -92,12 +92,13 @@ def test_a_bundle_the_follower_fetches_is_waited_for_no_longer_than_its_window(b
 
     import fedfleet.device as device
     from edge_client.artifacts import ArtifactFetchError
+    from fedfleet.device_bundles import BundleUnusable, FetchedBundles
     from protocols.topics import Topics
 
     monkeypatch.setattr(device, "HELD_OUT_FETCH_S", 1.0, raising=False)
     broker_config = BrokerConfig.from_url(broker.url)
-    bundles = device.FetchedBundles("cam1", broker_config, Topics(), tmp_path / "bundles", "onnxruntime", None,
-                                    default=None, local=None)
+    bundles = FetchedBundles("cam1", broker_config, Topics(), tmp_path / "bundles", "onnxruntime", None,
+                             default=None, local=None)
     args = SimpleNamespace(id="cam1", bundle_sha=None, deployments=tmp_path / "slot", topic_root="fedfleet",
                            aggregator_key=None)
     follower = follow_deployments(args, broker_config, bundles, np.zeros((2, 8, 8), np.uint8), np.arange(2),
@@ -117,7 +118,7 @@ def test_a_bundle_the_follower_fetches_is_waited_for_no_longer_than_its_window(b
         asking.join(30)
         assert not asking.is_alive(), "the follower's fetch outlasted its window"
         assert time.monotonic() - started < 15
-        assert len(outcome) == 1 and isinstance(outcome[0], device.BundleUnusable), outcome
+        assert len(outcome) == 1 and isinstance(outcome[0], BundleUnusable), outcome
         assert isinstance(outcome[0].__cause__, ArtifactFetchError), outcome
         assert bundles.lock.acquire(timeout=1)          # the bundle lock is free again
         bundles.lock.release()
@@ -127,7 +128,7 @@ def test_a_bundle_the_follower_fetches_is_waited_for_no_longer_than_its_window(b
 
 def counted_fetches(monkeypatch) -> list[str]:
     """The bundles FetchedBundles goes to the broker for, in order (each fetch still runs)."""
-    from fedfleet.device import FetchedBundles
+    from fedfleet.device_bundles import FetchedBundles
 
     fetched: list[str] = []
     fetch = FetchedBundles._fetch
@@ -144,12 +145,13 @@ def start_follower(broker, tmp_path, monkeypatch, runtime: str):
     """The device's bundles (``runtime``) and the follower ``fedfleet device --deployments`` starts on them;
     no aggregator answers on this broker, so a fetch can only time out (within a 1 s window)."""
     import fedfleet.device as device
+    from fedfleet.device_bundles import FetchedBundles
     from protocols.topics import Topics
 
     monkeypatch.setattr(device, "HELD_OUT_FETCH_S", 1.0)
     broker_config = BrokerConfig.from_url(broker.url)
-    bundles = device.FetchedBundles("cam1", broker_config, Topics(), tmp_path / "bundles", runtime, None,
-                                    default=None, local=None)
+    bundles = FetchedBundles("cam1", broker_config, Topics(), tmp_path / "bundles", runtime, None,
+                             default=None, local=None)
     args = SimpleNamespace(id="cam1", bundle_sha=None, deployments=tmp_path / "slot", topic_root="fedfleet",
                            aggregator_key=None)
     follower = follow_deployments(args, broker_config, bundles, np.zeros((2, 8, 8), np.uint8), np.arange(2),
@@ -161,7 +163,7 @@ def test_a_follower_on_an_eager_device_is_refused_before_any_fetch(broker, tmp_p
     """A review's leftover: the follower asked FetchedBundles.get directly, skipping what a task's
     request checks, so a device running --runtime eager (which cannot run a bundle) fetched each
     assignment's bundle whole and only then failed. Now it is refused at once, as a task is."""
-    import fedfleet.device as device
+    from fedfleet.device_bundles import BundleUnusable
 
     fetched = counted_fetches(monkeypatch)
     _, follower = start_follower(broker, tmp_path, monkeypatch, "eager")
@@ -170,7 +172,7 @@ def test_a_follower_on_an_eager_device_is_refused_before_any_fetch(broker, tmp_p
             follower.holdout("ab" * 32)
         assert fetched == [], "an eager device fetched a bundle it cannot run"
         assert not (tmp_path / "bundles").exists()
-        assert isinstance(refused.value, device.BundleUnusable) and "eager torch" in str(refused.value)
+        assert isinstance(refused.value, BundleUnusable) and "eager torch" in str(refused.value)
     finally:
         follower.stop()
 

@@ -112,7 +112,7 @@ def test_a_device_keeps_the_bundle_it_holds_and_fetches_again_what_the_budget_re
     the room; asked for again, it is fetched again, verified, and runs as before."""
     import edge_client.tasks.extractors as extractors_module
     from aggregator.service.artifacts import ArtifactShelf
-    from fedfleet.device import FetchedBundles
+    from fedfleet.device_bundles import FetchedBundles
     from protocols.mqtt_link import BrokerConfig
     from protocols.topics import Topics
     from artifact_serving import serve
