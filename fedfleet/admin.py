@@ -17,187 +17,30 @@ from __future__ import annotations
 
 import argparse
 import functools
-import http.client
 import json
 import os
 import re
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
+from typing import Any
 
+# the module's docstring is `fedfleet admin --help`'s description: the request and its bounds are in
+# admin_client.py, what is printed for people in admin_rendering.py
 from protocols.command_help import HelpFormatter
 from protocols.messages import MAX_TAGS, TAG_PATTERN
 from protocols.regular_file import read_regular_file
 
 from . import admin_deployments, admin_enroll
+from .admin_client import AdminClient, AdminError, all_devices
 from .admin_ids import refused_id
+from .admin_rendering import devices_rows, job_text, listed, log_line, model_rows, progress_line, round_rows, table
 from .errors import UserError, load_json_file
-from .terminal_text import literal_line, one_line, terminal_safe
-from typing import Any
+from .terminal_text import one_line, terminal_safe
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 MAX_CONFIG_BYTES = 1024 * 1024      # a job config file: the largest request the admin API takes
 MAX_TOKEN_FILE_BYTES = 64 * 1024    # a token is tens of characters
-# what the CLI reads of an answer: the API's largest JSON answers (a job's rounds, the fleet's
-# devices) are a few megabytes; an error's body a line. Past these the answer is refused unread,
-# so a server that is not the admin API (a mistyped --url, a proxy) fills no memory.
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
-MAX_ERROR_BYTES = 64 * 1024
-
-
-class AdminError(Exception):
-    """The API refused a request (message from its ``detail``) or could not be reached."""
-
-
-def error_detail(body: bytes) -> str:
-    """An error answer's ``detail`` (FastAPI's; a validation error's list as its Python literal,
-    ``literal_line``), else its text, as one line: the server's words may quote a device's (a
-    decline reason, a profile), so their controls are escaped, once, and a body past
-    ``MAX_ERROR_BYTES`` is cut."""
-    text = body[:MAX_ERROR_BYTES].decode(errors="replace")
-    try:
-        detail = json.loads(text)["detail"]
-        if not isinstance(detail, str):
-            return literal_line(detail)
-    except (ValueError, TypeError, KeyError, RecursionError):   # RecursionError: too deep for json or repr
-        detail = text
-    return one_line(detail + ("\u2026" if len(body) > MAX_ERROR_BYTES else ""))
-
-
-class RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """The admin API never redirects. urllib's own handler would follow a redirect with every
-    header of the request, the bearer token included, to whatever host the answer names."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise AdminError(f"{req.get_method()} {req.full_url}: HTTP {code} redirect to {terminal_safe(newurl)!r} "
-                         "not followed (the admin API never redirects; the token stays here)")
-
-
-class AdminClient:
-    def __init__(self, url: str, token: str, timeout: float = 30.0):
-        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
-        self.opener = urllib.request.build_opener(RefuseRedirects)
-
-    def request(self, method: str, path: str, body: Any = None, raw: bool = False):
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {self.token}",
-                                              **({"Content-Type": "application/json"} if data else {})})
-        try:
-            with self.opener.open(req, timeout=self.timeout) as resp:
-                payload = resp.read(MAX_ANSWER_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            try:
-                detail = error_detail(exc.read(MAX_ERROR_BYTES + 1))
-            except (OSError, http.client.HTTPException) as cut:     # the body cut short: said, not raised
-                detail = f"(its body unread: {type(cut).__name__})"
-            raise AdminError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
-        except urllib.error.URLError as exc:
-            raise AdminError(f"cannot reach the admin API at {self.url}: {exc.reason}") from None
-        except http.client.HTTPException as exc:
-            # no OSError, so urllib lets it through: a --url naming another service (an SSH banner's
-            # BadStatusLine) or a connection cut inside a chunked answer (IncompleteRead)
-            raise AdminError(f"{method} {path}: {self.url} did not answer as an HTTP server "
-                             f"({type(exc).__name__}: {one_line(exc, 200)})") from None
-        if len(payload) > MAX_ANSWER_BYTES:
-            raise AdminError(f"{method} {path}: the answer is larger than {MAX_ANSWER_BYTES} bytes: not read")
-        if raw:
-            return payload
-        try:
-            return json.loads(payload)
-        except RecursionError:          # nested thousands deep: json raises no ValueError for that
-            raise AdminError(f"{method} {path}: the answer is nested deeper than JSON is read here") from None
-
-    def get(self, path: str, raw: bool = False):
-        return self.request("GET", path, raw=raw)
-
-    def post(self, path: str, body: Any = None):
-        return self.request("POST", path, body if body is not None else {})
-
-
-def all_devices(client: AdminClient, status: str | None = None, page: int = 1000) -> list[dict]:
-    """Every device /api/devices lists, page after page (it lists at most ``page`` at a time)."""
-    out: list[dict] = []
-    while True:
-        query = urllib.parse.urlencode({"limit": page, **({"after": out[-1]["device_id"]} if out else {}),
-                                        **({"status": status} if status else {})})
-        rows = client.get(f"/api/devices?{query}")
-        out += rows
-        if len(rows) < page:
-            return out
-
-
-# ----------------------------------------------------------------------------- rendering
-def ago(ts: float | None) -> str:
-    if not ts:
-        return "-"
-    s = max(0.0, time.time() - ts)
-    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
-
-
-def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """Left-aligned text table; ``columns`` = [(header, key)], each value on one line (``one_line``)."""
-    cells = [[h for h, _ in columns]] + [["-" if r.get(k) is None else one_line(r.get(k)) for _, k in columns]
-                                         for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return terminal_safe("\n".join(lines))
-
-
-def bar(done: int, total: int, width: int = 30) -> str:
-    filled = int(width * min(done, total) / max(1, total))
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-
-
-def device_count(value) -> int:
-    """A count of devices in /api/status (an earlier aggregator listed them: the list's length)."""
-    count = len(value) if isinstance(value, list) else value
-    if type(count) is not int or count < 0:         # a bool is no count
-        raise TypeError(f"a count of devices is {type(value).__name__} {value!r:.40}")
-    return count
-
-
-def progress_line(status: dict) -> str:
-    job = status.get("job")
-    online = device_count(status.get("devices_online", 0))
-    if not job:
-        return f"no active job; {online} devices online"
-    cur = job.get("current_round")
-    acc = f"  acc {job['accuracy']:.4f}" if job.get("accuracy") is not None else ""
-    if cur:
-        answered = sum(device_count(cur[k]) for k in ("accepted", "declined", "rejected"))
-        rnd = f"round {cur['round']:>3} {bar(answered, device_count(cur['participants']), 20)}"
-    else:
-        rnd = f"round {job['round']:>3} ({one_line(job.get('waiting') or 'between rounds')})"
-    return (f"{one_line(job['job_id'], 64)} [{one_line(job['state'], 64)}] {rnd}  contributions {job['contributions']}  "
-            f"online {online}{acc}")
-
-
-def listed(values, empty: str = "-") -> str:
-    """Device ids (or other values) the API listed, on one line: each a value, never layout."""
-    return one_line(", ".join(str(v) for v in values), 4000) or empty
-
-
-def _devices_rows(devices: list[dict]) -> list[dict]:
-    return [{**d, "seen": ago(d["last_seen"]), "state": "online" if d["online"] else "offline",
-             "tags_": ",".join(d.get("tags", []))[:40],
-             "profile_": ",".join(f"{k}={v}" for k, v in sorted(d["profile"].items()))[:40]} for d in devices]
-
-
-def _round_rows(rounds: list[dict]) -> list[dict]:
-    return [{**r, "n_part": len(r["participants"]), "n_acc": len(r["accepted"]), "n_drop": len(r["dropped"]),
-             "n_decl": len(r["declined"]), "n_rej": len(r["rejected"]),
-             "dur": f"{r['duration_s']:.1f}s" if r["duration_s"] is not None else "open",
-             "kb": f"{r['bytes_in'] / 1024:.1f}"} for r in rounds]
-
-
-def _model_rows(models: list[dict]) -> list[dict]:
-    return [{**m, "acc": (f"{m['metrics']['accuracy']:.4f}" if m["metrics"].get("accuracy") is not None else None),
-             "sha": m["sha256"][:12], "final_": "yes" if m["final"] else ""} for m in models]
 
 
 # ----------------------------------------------------------------------------- commands
@@ -216,7 +59,7 @@ def _run(args, client: AdminClient) -> Any:
         return f, "\n".join(f"{k:<12}{one_line(v)}" for k, v in f.items())
     if c == "devices":
         d = all_devices(client, args.status)
-        return d, table(_devices_rows(d), [("DEVICE", "device_id"), ("STATUS", "status"), ("STATE", "state"),
+        return d, table(devices_rows(d), [("DEVICE", "device_id"), ("STATUS", "status"), ("STATE", "state"),
                                            ("LAST SEEN", "seen"), ("CLUSTER", "cluster"), ("TAGS", "tags_"),
                                            ("PROFILE", "profile_")])
     if c == "device":
@@ -241,7 +84,7 @@ def _run(args, client: AdminClient) -> Any:
     if c == "models":
         q = f"?job_id={args.job}" if args.job else ""
         m = client.get(f"/api/models{q}")
-        return m, table(_model_rows(m), [("ID", "model_id"), ("JOB", "job_id"), ("VERSION", "version"),
+        return m, table(model_rows(m), [("ID", "model_id"), ("JOB", "job_id"), ("VERSION", "version"),
                                          ("ROUND", "round"), ("PARENT", "parent_id"), ("CONTRIB", "contributions"),
                                          ("ACCURACY", "acc"), ("FINAL", "final_"), ("SHA256", "sha")])
     if c == "model":
@@ -263,7 +106,7 @@ def _run(args, client: AdminClient) -> Any:
 def _device(args, client):
     if args.action == "show":
         d = client.get(f"/api/devices/{args.device_id}")
-        return d, "\n".join(f"{k:<12}{one_line(v)}" for k, v in _devices_rows([d])[0].items() if not k.endswith("_"))
+        return d, "\n".join(f"{k:<12}{one_line(v)}" for k, v in devices_rows([d])[0].items() if not k.endswith("_"))
     if args.action == "revoke":
         d = client.post(f"/api/devices/{args.device_id}/revoke")
         return d, f"revoked {args.device_id}" + (f"\nwarning: {d['warning']}" if d.get("warning") else "")
@@ -312,32 +155,6 @@ def _tags(text: str | None) -> list[str]:
     return tags
 
 
-def _when(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))} ({ago(ts)})"
-
-
-def _job_text(j: dict) -> str:
-    """A job as an operator reads it: state, times as dates, counters and config as key: value lines."""
-    lines = [f"job {one_line(j['job_id'], 64)} ({one_line(j['kind'], 64)}): {one_line(j['state'], 64)}",
-             f"  rounds {j['rounds']}, contributions {j['contributions']}",
-             f"  created   {_when(j.get('created_at'))}", f"  started   {_when(j.get('started_at'))}",
-             f"  finished  {_when(j.get('finished_at'))}"]
-    counters = j.get("counters") or {}
-    rejections = counters.get("rejections") or {}
-    if counters:
-        lines.append(f"  bytes in {counters.get('bytes_in', 0):,}, late {counters.get('late', 0)}, "
-                     f"duplicates {counters.get('duplicates', 0)}")
-    if rejections:
-        lines.append("  rejected  " + ", ".join(f"{one_line(k)}: {v}" for k, v in sorted(rejections.items())))
-    if (j.get("summary") or {}).get("error"):
-        lines.append(f"  error     {one_line(j['summary']['error'], 2000)}")
-    lines.append("  config")
-    lines += [f"    {k:<22}{one_line(v, 2000)}" for k, v in sorted((j.get("config") or {}).items())]
-    return "\n".join(lines)
-
-
 def _operator_file(path: Path, what: str, max_bytes: int) -> bytes:
     """A file the operator named, read only if it is a regular file of at most ``max_bytes``:
     ``/dev/zero`` was read until memory ran out and a FIFO blocked for ever (its size, 0, passed a
@@ -352,7 +169,7 @@ def _job(args, client):
     a = args.action
     if a == "show":
         j = client.get(f"/api/jobs/{args.job_id}")
-        return j, _job_text(j)
+        return j, job_text(j)
     if a == "evaluations":
         e = client.get(f"/api/jobs/{args.job_id}/evaluations")
         rows = [{"i": i + 1, "round": x.get("round", ""), "contributions": x.get("contributions", ""),
@@ -375,7 +192,7 @@ def _job(args, client):
         return j, f"job {job_id}: {j['state']}"
     if a == "rounds":
         r = client.get(f"/api/jobs/{args.job_id}/rounds")
-        return r, table(_round_rows(r), [("ROUND", "round"), ("STATE", "state"), ("PARTICIPANTS", "n_part"),
+        return r, table(round_rows(r), [("ROUND", "round"), ("STATE", "state"), ("PARTICIPANTS", "n_part"),
                                          ("ACCEPTED", "n_acc"), ("DROPPED", "n_drop"), ("DECLINED", "n_decl"),
                                          ("REJECTED", "n_rej"), ("DURATION", "dur"), ("KB IN", "kb")])
     j = client.post(f"/api/jobs/{args.job_id}/{a}")
@@ -420,22 +237,6 @@ def _watch(args, client):
     if tty:
         print()
     return None, None
-
-
-def log_line(e: dict) -> str:
-    """One round-log event as a line of text: time, round, event, then its fields."""
-    when = time.strftime("%H:%M:%S", time.localtime(e["t"])) if isinstance(e.get("t"), (int, float)) else "--:--:--"
-    rnd = f"round {e['round']:>3}" if isinstance(e.get("round"), int) else " " * 9
-    rest = []
-    for k, v in e.items():
-        if k in ("t", "job_id", "event", "round") or v in (None, [], ""):
-            continue
-        if isinstance(v, list):
-            v = f"{len(v)} [{', '.join(map(str, v[:5]))}{', ...' if len(v) > 5 else ''}]"
-        elif isinstance(v, float):
-            v = f"{v:.4f}" if abs(v) < 1e6 else f"{v:.0f}"
-        rest.append(f"{one_line(k, 64)}={one_line(v)}")
-    return f"{when} {rnd} {one_line(e.get('event', '?'), 64):<13}{' '.join(rest)}"
 
 
 FINAL_STATES = ("done", "cancelled", "failed")

@@ -15,8 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fedfleet import admin
-from fedfleet.admin import MAX_ANSWER_BYTES, MAX_ERROR_BYTES, main
+from fedfleet import admin_client
+from fedfleet.admin import main
+from fedfleet.admin_client import MAX_ANSWER_BYTES, MAX_ERROR_BYTES
 
 FORGED = "\n2026-12-06 23:59:59 fedfleet.aggregator INFO job ops done\x1b]52;c;cm0gLXJmIC8=\x07 \u202egnp.exe"
 
@@ -140,8 +141,8 @@ def test_a_validation_list_cut_short_never_splits_an_escape(server, capsys):
 
 def test_an_error_body_past_its_bound_is_cut_and_a_plain_text_body_is_shown_as_text(server, capsys, monkeypatch):
     read = []
-    real_error_detail = admin.error_detail
-    monkeypatch.setattr(admin, "error_detail", lambda body: read.append(len(body)) or real_error_detail(body))
+    real_error_detail = admin_client.error_detail
+    monkeypatch.setattr(admin_client, "error_detail", lambda body: read.append(len(body)) or real_error_detail(body))
     server.answer = (502, b"x" * (8 * 1024 * 1024))
     rc, err = admin_status(server, capsys)
     assert rc == 1 and err.count("\n") == 1 and len(err) < 1000, len(err)

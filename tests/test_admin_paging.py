@@ -9,7 +9,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from aggregator.api.app import create_app
-from fedfleet.admin import all_devices
+from fedfleet.admin_client import all_devices
 from protocols import messages as M
 from protocols.envelope import encode
 from protocols.topics import Topics

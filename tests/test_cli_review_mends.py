@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedfleet import admin, admin_deployments
+from fedfleet import admin_client, admin_deployments, admin_rendering
 from fedfleet.emulation.broker import BrokerTree
 from fedfleet.emulation.fork_server import ForkServer
 from fedfleet.emulation.local_hosts import LocalHosts
@@ -156,15 +156,15 @@ def _clean(text: str) -> None:
 
 
 def test_logs_escape_a_devices_decline_reason():
-    line = admin.log_line({"t": time.time(), "job_id": "j", "event": "declined", "round": 1,
+    line = admin_rendering.log_line({"t": time.time(), "job_id": "j", "event": "declined", "round": 1,
                            "device": "cam1", "reason": EVIL})
     _clean(line)
 
 
 def test_devices_table_escapes_a_presence_profile():
-    rows = admin._devices_rows([{"device_id": "cam1", "status": "not enrolled", "last_seen": None,
+    rows = admin_rendering.devices_rows([{"device_id": "cam1", "status": "not enrolled", "last_seen": None,
                                  "online": True, "cluster": None, "profile": {"model": EVIL}}])
-    text = admin.table(rows, [("DEVICE", "device_id"), ("PROFILE", "profile_")])
+    text = admin_rendering.table(rows, [("DEVICE", "device_id"), ("PROFILE", "profile_")])
     _clean(text)
 
 
@@ -305,11 +305,11 @@ def test_the_admin_client_does_not_follow_a_redirect_with_its_token():
     for server in (elsewhere, api):
         threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        client = admin.AdminClient(f"http://127.0.0.1:{api.server_port}", "s3cret-token", timeout=5)
-        with pytest.raises(admin.AdminError, match="redirect"):
+        client = admin_client.AdminClient(f"http://127.0.0.1:{api.server_port}", "s3cret-token", timeout=5)
+        with pytest.raises(admin_client.AdminError, match="redirect"):
             client.get("/api/status")
         # the same request straight to the other server does carry the token: the check can fail
-        admin.AdminClient(f"http://127.0.0.1:{elsewhere.server_port}", "s3cret-token", timeout=5).get("/x")
+        admin_client.AdminClient(f"http://127.0.0.1:{elsewhere.server_port}", "s3cret-token", timeout=5).get("/x")
         assert seen == ["Bearer s3cret-token"]
     finally:
         for server in (elsewhere, api):

@@ -13,7 +13,7 @@ import pytest
 from aggregator.storage.deployments import DeploymentStore
 from aggregator.storage.store import Store
 from edge_client.deployment import DeploymentFollower, ModelSlot
-from fedfleet.admin import AdminClient
+from fedfleet.admin_client import AdminClient
 from protocols.mqtt_link import BrokerConfig
 from protocols.topics import Topics
 

@@ -214,7 +214,7 @@ def test_the_service_status_says_why_a_dp_job_opens_no_round(tmp_path):
     from aggregator.service.active_job import ActiveJob
     from aggregator.service.reporting import live_snapshot, status_summary
     from aggregator.storage.schema import JobState
-    from fedfleet.admin import progress_line
+    from fedfleet.admin_rendering import progress_line
 
     cfg = {"num_classes": 3, "feature_dim": 8, "clients_per_round": 10, "rounds": 5,
            "dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0, "dp_population": 1000, "job_id": "small"}

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from edge_client.agent import TaskDeclined
-from fedfleet import admin, admin_deployments
+from fedfleet import admin_deployments, admin_rendering
+from fedfleet.terminal_text import terminal_safe
 from protocols.envelope import Envelope, encode
 from protocols.log_text import OneLineFormatter, escaped_controls
 
@@ -75,7 +76,7 @@ def _no_line_added(text: str, baseline: str) -> None:
 
 def test_admin_logs_prints_a_decline_reason_on_its_own_line():
     event = {"t": time.time(), "job_id": "ops", "event": "declined", "round": 1, "device": "dev01"}
-    line = admin.log_line({**event, "reason": EVIL})
+    line = admin_rendering.log_line({**event, "reason": EVIL})
     assert "\n" not in line and "no data\\n2026-01-01" in line, line
     _no_raw_controls(line)
 
@@ -84,8 +85,8 @@ def test_admin_devices_table_keeps_one_row_per_device_whatever_its_profile():
     devices = [{"device_id": d, "status": "enrolled", "last_seen": None, "online": True, "cluster": None,
                 "profile": {"model": p}} for d, p in (("dev01", "\nrogue   enrolled  online"), ("dev02", EVIL))]
     columns = [("DEVICE", "device_id"), ("PROFILE", "profile_")]
-    text = admin.table(admin._devices_rows(devices), columns)
-    plain = admin.table(admin._devices_rows([{**d, "profile": {"model": "m"}} for d in devices]), columns)
+    text = admin_rendering.table(admin_rendering.devices_rows(devices), columns)
+    plain = admin_rendering.table(admin_rendering.devices_rows([{**d, "profile": {"model": "m"}} for d in devices]), columns)
     _no_line_added(text, plain)
     assert not any(line.startswith("rogue") for line in text.splitlines()), text
 
@@ -94,8 +95,8 @@ def test_admin_job_show_prints_the_failure_and_the_rejection_counts_on_their_lin
     job = {"job_id": "ops", "kind": "fed3r", "state": "failed", "rounds": 1, "contributions": 0,
            "summary": {"error": f"no device contributed in 1 round(s); declined: {EVIL} (dev01)"},
            "counters": {"rejections": {"presence": 1}}, "config": {"job_id": "ops"}}
-    text = admin._job_text(job)
-    _no_line_added(text, admin._job_text({**job, "summary": {"error": "x"}}))
+    text = admin_rendering.job_text(job)
+    _no_line_added(text, admin_rendering.job_text({**job, "summary": {"error": "x"}}))
 
 
 def test_admin_deployment_show_keeps_one_line_per_device_whatever_it_refused():
@@ -237,7 +238,7 @@ def test_the_admin_cli_writes_bidi_and_invisible_characters_as_the_log_does():
     """``one_line`` escapes what Python's str.isprintable refuses, the bidirectional controls and
     format characters among them (so it did before this review: pinned here, as the dashboard's)."""
     event = {"t": time.time(), "job_id": "ops", "event": "declined", "round": 1, "device": "dev01"}
-    line = admin.log_line({**event, "reason": BIDI})
+    line = admin_rendering.log_line({**event, "reason": BIDI})
     assert escaped_controls(BIDI) in line and "cat\\u202egnp.exe \\u2066(dev02)\\u2069" in line, line
     assert not re.search(r"[\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff\u00ad\u061c\u2028\x1b]", line), repr(line)
 
@@ -257,7 +258,7 @@ def test_a_devices_printable_backslashes_read_apart_from_the_escapes_in_the_log_
     shown = {}
     for name, reason in (("real", real), ("forged", forged), ("both", FORGED_ESCAPES)):
         record = formatter.format(logging.LogRecord("x", logging.WARNING, __file__, 1, "declined: %s", (reason,), None))
-        line = admin.terminal_safe(admin.log_line({**event, "reason": reason}))
+        line = terminal_safe(admin_rendering.log_line({**event, "reason": reason}))
         assert read_back(record) == f"declined: {reason}", record
         assert read_back(line.split(" reason=", 1)[1]) == reason, line
         _no_raw_controls(record + line)

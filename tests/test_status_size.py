@@ -14,7 +14,7 @@ from aggregator.security.fleet import Fleet
 from aggregator.service.active_job import ActiveJob
 from aggregator.service.reporting import live_snapshot
 from aggregator.storage.store import Store
-from fedfleet.admin import progress_line
+from fedfleet.admin_rendering import progress_line
 from protocols.rounds import RoundCoordinator
 
 TOKEN = "status-token-0123456789"
