@@ -4,18 +4,8 @@ Pure logic (no MQTT, no clock), driven by ``aggregator.service.loop`` like the o
 has two kinds of rounds, so its ``kind`` is the kind of the round it opened last:
 
 ``ladd.style`` rounds
-    Every online device that has not sent its style yet (and has attempts left) is asked for
-    it. When at least ``min_styles`` styles are in (all devices seen so far when 0), the
-    style round's closing fits :class:`~aggregator.strategies.ladd.StyleClustering` (KMeans
-    for k in [k_min, k_max], ``n_init`` restarts, k by silhouette), stores the centroids and
-    calls the injected ``pretrainer(style_bank)``, which returns the pre-trained exchanged
-    state w and the names of the trainable tensors. A device that comes online later is
-    asked for its style in a style round of its own and routed to the nearest centroid
-    (the clustering is not refitted). A style farther from every other than
-    ``style_screen_multiple`` x the fleet's typical distance from the median style is screened
-    first (``screen_styles``): left out of the fit and of the pretrainer's bank, its device
-    routed to the nearest centroid as a late device is, the reason in ``styles_screened``
-    (the round's entry, the report, the checkpoint).
+    Every online device without a style is asked for it; the styles in are screened, clustered and
+    the network pre-trained; a late device joins the nearest centroid (``ladd_styles.py``, in full).
 
 ``ladd.train`` rounds (t = 1 .. ``rounds``)
     κ devices with a cluster are drawn (seeded). Device k of cluster c gets φ ∪ θ_c, the
@@ -46,7 +36,6 @@ The server never needs the network itself, only named arrays: pre-training is in
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
@@ -68,14 +57,14 @@ from aggregator.shards.ladd_sums import CanonicalClusterAveraging
 from aggregator.strategies.dp_fedavg import ClippedGaussianSum
 from aggregator.strategies.ladd_small_rounds import LaddSmallRounds
 from aggregator.strategies.robust_ladd import RobustClusterAveraging
-from aggregator.strategies.ladd import (ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate,
-                                       cluster_styles, screen_styles)
+from aggregator.strategies.ladd import ClusterAveraging, StyleClustering, SwaTeacher, cluster_specific_predicate
 from aggregator.jobs.base import Job
+from aggregator.jobs.ladd_checkpoint import LaddCheckpoint
 from aggregator.jobs.ladd_config import LaddConfig
 from aggregator.jobs.ladd_initial_model import (load_initial_model, save_initial_model,  # noqa: F401 (re-exported)
                                                trainable_in_layout_order)
 from aggregator.jobs.ladd_phases import Created, LaddPhase, NobodyLeftToAsk, StyleRoundClosed, TrainRoundClosed
-from aggregator.jobs.participant_draw import draw_state, resumed_draw
+from aggregator.jobs.ladd_styles import LaddStyles
 from aggregator.jobs.recent_log import RecentLog
 
 log = logging.getLogger("fedfleet.aggregator")
@@ -93,7 +82,7 @@ class RoundPayload:
 
 
 @dataclass
-class LaddJob(Job):
+class LaddJob(LaddStyles, LaddCheckpoint, Job):
     # hooks for variants (jobs/secure_ladd.py): the kind of training rounds, their smallest size
     train_kind = KIND_TRAIN
     # the model moves only when a round closes: evaluated then (per contribution, the job's last
@@ -158,80 +147,25 @@ class LaddJob(Job):
     def n_clusters(self) -> int:
         return len(self.theta) if self.theta else 0
 
-    def _skips_styles(self, _event=None) -> bool:
-        return self.initial is not None and self.config.clustering == "none"
-
-    def _can_cluster_now(self, _event=None) -> bool:
-        """Nobody is left to ask: with ``min_styles`` 0 the styles in are enough."""
-        return bool(self.styles) and not self.config.min_styles
-
     def _training_over(self, _event=None) -> bool:
         """No training round is left: ``rounds`` opened, or one more would exceed the privacy budget."""
         return self.train_round >= self.config.rounds or self.budget_exhausted
 
-    def _styles_complete(self, _event=None) -> bool:
-        """``min_styles`` styles are in, or (0) every device asked so far answered or gave up."""
-        if not self.styles:
-            return False
-        if self.config.min_styles:
-            return len(self.styles) >= self.config.min_styles
-        return all(d in self.styles or n >= self.config.style_attempts for d, n in self.style_attempts.items())
-
     def _stay(self, _event) -> list:
         return []
 
+    def _nobody_left_to_ask(self) -> None:
+        """Scheduling found nobody to ask for a style (or a restart, a training round opened)."""
+        LADD_TABLE.fire(self, NobodyLeftToAsk())
+
     def _start_with_initial(self, _event: Created) -> list:
         self._begin_training(*self.initial)
-        return []
-
-    def _cluster_what_is_in(self, _event: NobodyLeftToAsk) -> list:
-        self._finish_style_phase()
-        return []
-
-    def _cluster_closing_round(self, event: StyleRoundClosed) -> list:
-        self._finish_style_phase()
-        event.entry["clusters"] = self.n_clusters
-        if self.clustering_fallback:
-            event.entry["clustering_fallback"] = self.clustering_fallback
-        if self.styles_screened:
-            event.entry["styles_screened"] = dict(self.styles_screened)
-        return []
-
-    def _route_late_styles(self, _event: StyleRoundClosed) -> list:
-        if self.clustering is not None and self._applied:
-            new = sorted(self._applied)     # late devices: routed to the nearest centroid, no refit
-            labels = self.clustering.predict(np.stack([self.styles[d] for d in new]))
-            self.assignment.update({d: int(label) for d, label in zip(new, labels)})
         return []
 
     def _close_last_train_round(self, event: TrainRoundClosed) -> list:
         self._close_train_round(event)
         self.phase = LaddPhase.DONE
         return []
-
-    def _finish_style_phase(self) -> None:
-        c = self.config
-        devices = sorted(self.styles)           # a function of the set of styles: canonical order
-        bank = np.stack([self.styles[d] for d in devices])
-        if c.clustering == "styles":
-            self.clustering, self.clustering_fallback = cluster_styles(bank, (c.k_min, c.k_max), c.n_init, c.seed,
-                                                                       c.style_screen_multiple)
-            screened = self.clustering.screened_
-            if self.clustering_fallback:
-                log.warning("LADD clustering: %s, for the %d styles in", self.clustering_fallback, len(devices))
-            labels = self.clustering.labels_        # a screened device's: its nearest centroid
-            log.info("LADD clustering: k=%d, silhouettes %s", self.clustering.n_clusters_,
-                     {k: round(v, 3) for k, v in self.clustering.silhouette_scores_.items()})
-        else:
-            screened = screen_styles(bank, c.style_screen_multiple)      # pre-training's bank only
-            labels = np.zeros(len(devices), np.int64)
-        self.styles_screened = {devices[i]: why for i, why in sorted(screened.items())}
-        for device, why in self.styles_screened.items():
-            log.warning("LADD style of %s: %s", device, why)
-        kept = np.stack([s for i, s in enumerate(bank) if i not in screened])
-        arrays, trainable = self.initial if self.initial is not None else self.pretrainer(kept)
-        self._begin_training(arrays, trainable, n_clusters=int(labels.max()) + 1)
-        self.assignment = {d: int(label) for d, label in zip(devices, labels)}
 
     def _begin_training(self, arrays: Arrays, trainable: list[str], n_clusters: int = 1) -> None:
         self._start_training(arrays, trainable, n_clusters)
@@ -261,14 +195,11 @@ class LaddJob(Job):
         if self._open or self.phase is LaddPhase.DONE:      # no waiting reason is shown then (reporting.py)
             return []
         if self.phase is LaddPhase.STYLES or c.clustering == "styles":
-            pool = sorted(d for d in online if d not in self.styles
-                          and self.style_attempts.get(d, 0) < c.style_attempts)
+            pool = self._ask_for_styles(online)
             if pool:
-                for d in pool:
-                    self.style_attempts[d] = self.style_attempts.get(d, 0) + 1
                 return self._open_round(KIND_STYLE, pool)
             if self.phase is LaddPhase.STYLES:
-                LADD_TABLE.fire(self, NobodyLeftToAsk())      # the silent went offline
+                self._nobody_left_to_ask()      # the silent went offline
         if self.phase is not LaddPhase.TRAIN:       # TRAIN: a training round is left (DONE otherwise)
             return []
         pool = sorted(d for d in online if d in self.assignment or c.clustering == "none")
@@ -480,85 +411,6 @@ class LaddJob(Job):
         if self.clustering is not None:
             out["style_centroids"] = self.clustering.cluster_centers_.copy()
         return out
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """The job as of a round close (the service's checkpoint): models, teachers, the pretrained
-        network, styles, and what is not an array (phase, assignment, ...) as JSON under ``meta``."""
-        out = self.model_arrays()
-        for cluster, teacher in self.teachers.items():
-            for k, v in teacher.params.items():
-                out[f"teacher.{cluster}.{k}"] = v.copy()
-        for k, v in (self.pretrained or {}).items():
-            out[f"pretrained.{k}"] = v.copy()
-        devices = sorted(self.styles)
-        if devices:
-            out["styles"] = np.stack([self.styles[d] for d in devices])
-        out["round"] = np.array([self.round, self.train_round], dtype=np.int64)
-        if self.dp is not None:
-            out.update(self.dp.state_dict())
-        out.update(self.small_rounds.state_dict())
-        cl = self.clustering
-        meta = {"phase": self.phase, "kind": self.kind, "style_devices": devices, "assignment": self.assignment,
-                "trainable": self.trainable, "kd_confirmed": sorted(self.kd_confirmed),
-                "teachers": {str(c): [t.averaged, t.version] for c, t in self.teachers.items()},
-                "silhouette_scores": {str(k): v for k, v in (cl.silhouette_scores_ if cl else {}).items()},
-                "styles_screened": self.styles_screened, "late_discarded": self.late_discarded}
-        out["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8).copy()
-        return out
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Back to a checkpoint of :meth:`state_dict` (a restart); no round is open."""
-        meta = json.loads(state["meta"].tobytes())
-        self.round, self.train_round = (int(x) for x in state["round"])
-        if self.dp is not None:
-            self.dp.load_state_dict(state)
-        self.small_rounds.load_state_dict(state)
-        phase, self.kind = LaddPhase(meta["phase"]), meta["kind"]
-        self.styles = dict(zip(meta["style_devices"], state["styles"])) if meta["style_devices"] else {}
-        self.assignment = {d: int(c) for d, c in meta["assignment"].items()}
-        self.late_discarded = int(meta["late_discarded"])
-        self.styles_screened = dict(meta.get("styles_screened", {}))     # absent from checkpoints before the screen
-        if "style_centroids" in state:
-            self.clustering = StyleClustering.from_centroids(state["style_centroids"])
-            self.clustering.silhouette_scores_ = {int(k): v for k, v in meta["silhouette_scores"].items()}
-        if phase is not LaddPhase.STYLES:
-            pretrained = {k.removeprefix("pretrained."): v for k, v in state.items() if k.startswith("pretrained.")}
-            self._start_training(pretrained, meta["trainable"], n_clusters=len(meta["teachers"]))
-            self.phi = {k.removeprefix("phi."): v.copy() for k, v in state.items() if k.startswith("phi.")}
-            for c, teacher in self.teachers.items():
-                self.theta[c] = {k.removeprefix(f"theta.{c}."): v.copy() for k, v in state.items()
-                                 if k.startswith(f"theta.{c}.")}
-                teacher.params = {k.removeprefix(f"teacher.{c}."): v.copy() for k, v in state.items()
-                                  if k.startswith(f"teacher.{c}.")}
-                teacher.averaged, teacher.version = meta["teachers"][str(c)]
-        self.kd_confirmed = set(meta["kd_confirmed"])
-        self._open, self._agg, self._taken = False, None, None
-        # a checkpoint written before DONE existed says "train" after the last round: it meant DONE
-        self.phase = LaddPhase.DONE if phase is LaddPhase.TRAIN and self._training_over() else phase
-
-    def bookkeeping(self) -> dict:
-        """JSON-able scheduling state as of the round just opened (the service stores it with the round)."""
-        return {"round": self.round, "train_round": self.train_round, "phase": self.phase, "kind": self.kind,
-                "open": self._open, "participants": sorted(self._participants),
-                "style_attempts": dict(self.style_attempts), "rng": draw_state(self._rng)}
-
-    def restore_bookkeeping(self, state: dict) -> None:
-        """Enter the round this bookkeeping was taken at (right after it opened), unless the job is
-        already in or past it (a checkpoint, or replayed up to it): then only the sampler and the
-        style attempts are restored, and what was replayed into an open round stays."""
-        self.style_attempts = {d: int(n) for d, n in state["style_attempts"].items()}
-        self._rng = resumed_draw(state["rng"], self.config.participant_draw())
-        if int(state["round"]) <= self.round:
-            return
-        if state["kind"] != KIND_STYLE and self.phase is LaddPhase.STYLES:
-            # a training round opened in the style phase: scheduling ended that phase (nobody left to ask)
-            LADD_TABLE.fire(self, NobodyLeftToAsk())
-        self.round, self.train_round, self.kind = int(state["round"]), int(state["train_round"]), state["kind"]
-        self._open, self._participants, self._applied = bool(state["open"]), frozenset(state["participants"]), set()
-        if self.config.clustering == "none":     # a device's cluster is given when it is first chosen
-            for d in self._participants:
-                self.assignment.setdefault(d, 0)
-        self._agg = self._new_aggregation() if self.kind != KIND_STYLE else None
 
     def report(self) -> dict:
         """JSON-able summary: clustering, assignment, rounds."""
