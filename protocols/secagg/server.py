@@ -20,10 +20,9 @@ does the close of the masked or consistency phase when its members can no longer
 t' live share holders), before anyone is asked for a share.
 
 Masked inputs are added into one accumulator of ring words as they arrive (nothing per-client is
-kept). At the end the server subtracts PRG(b_u) for every survivor and, for every dropped v
-with surviving neighbours u, the pair mask sign(u, v) PRG(s_uv) that u included, re-derived
-from the reconstructed s_v^SK and u's advertised public key. A reconstructed s_v^SK must match
-v's advertised public key, which catches corrupted key shares. Removing the masks is one pure
+kept). At the end the masks left in it are found from the survivors' shares (unmasking.py: each
+survivor's self mask, each dropped member's pair masks with its surviving neighbours, every
+reconstructed secret checked against what its owner committed to). Removing them is one pure
 call, mask_applier(accumulator, signed seeds): by default crypto.apply_masks with the expansion
 split over `workers` threads (default: the usable cores, capped), bit-identical to one thread.
 A server with an accelerator passes its own applier (the aggregator's CUDA kernel,
@@ -32,9 +31,9 @@ aggregator/compute/mask_expansion.py); it must produce exactly crypto.apply_mask
 Every incoming message must name this round's (job, round, group), be addressed to the
 aggregator, come from an enrolled member of the group, and verify under that member's
 identity key; otherwise WrongContext / UnknownSender / BadSignature is raised and nothing
-changes. A message of another phase raises UnexpectedMessage (ReplayedMessage if the sender
-already delivered it); malformed content raises MalformedMessage; in all cases the state is
-untouched and the round goes on.
+changes (server_checks.py). A message of another phase raises UnexpectedMessage (ReplayedMessage
+if the sender already delivered it); malformed content raises MalformedMessage; in all cases the
+state is untouched and the round goes on.
 """
 
 from __future__ import annotations
@@ -46,24 +45,23 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from protocols.identity import DeviceIdentity, IdentityRegistry, InvalidSignature, UnknownDevice, \
-    verify_signature
+from protocols.identity import DeviceIdentity, IdentityRegistry
 from protocols.transition_table import ANY, IllegalTransition, Transition, TransitionTable
 
-from . import shamir
+from .accusations import ShareAccusations
 from .config import RoundConfig
 from .coverage import UnmaskCoverage
-from .crypto import apply_masks, check_usable_public_key, check_workers, default_mask_workers, \
-    x25519_from_private_bytes, x25519_public_bytes
-from .derivation import SECRET_BYTES, SHARE_BYTES, SHARE_CIPHERTEXT_BYTES, RoundContext, pair_mask_seed, \
-    pair_mask_sign, self_mask_commitment
-from .errors import (BadSignature, ConfigError, LateMessage, MalformedMessage, ReconstructionError,
-                     ReplayedMessage, UnexpectedMessage, UnknownSender, WrongContext)
+from .crypto import apply_masks, check_workers, default_mask_workers
+from .derivation import SHARE_CIPHERTEXT_BYTES, RoundContext
+from .errors import ConfigError, LateMessage, ReconstructionError, ReplayedMessage, UnexpectedMessage
 from .events import AbortRound, AggregateReady, MemberOffline, Phase, RoundFailed, StartRound, Timeout
 from .graph import NeighbourGraph
 from .messages import (AdvertisedKeys, AdvertiseKeys, ConsistencyCheckRequest, ConsistencySignature,
                        EncryptedShares, ForwardedShares, KeyDirectory, MaskedInput, Message, RoundAborted, RoundStart,
-                       ShareAccusation, UnmaskRequest, UnmaskShares, consistency_statement)
+                       ShareAccusation, UnmaskRequest, UnmaskShares)
+from .server_checks import (authenticate, check_advertised_keys, check_consistency_signature, check_share_rows,
+                            check_unmask_shares, copied_key)
+from .unmasking import mask_seeds_to_remove
 
 
 # accumulator += sum(sign * PRG(seed)) mod 2^64 in place, for (seed, sign) pairs
@@ -82,11 +80,6 @@ class ServerState(str, enum.Enum):
 
 
 _S = ServerState
-# distinct accusers a culprit needs at least (all of them where it sent fewer rows): a colluding
-# pair frames nobody who sent three rows or more; in a group of three, where two members learn the
-# third's input from the sum anyway, both must accuse (else a sender of bad rows fails every round
-# it is drawn into, unnamed)
-MIN_ACCUSERS = 3
 FINAL_STATES = frozenset({_S.DONE, _S.FAILED})
 _PHASE_ORDER = list(Phase)
 Output = Message | AggregateReady | RoundFailed
@@ -124,7 +117,7 @@ class ServerSecAgg:
         self._dropped: tuple[str, ...] = ()
         self._members = frozenset(config.members)
         self._offline: set[str] = set()      # members the caller knows are gone: not waited for
-        self._accusations: dict[str, frozenset[str]] = {}    # member -> senders of rows it could not decrypt
+        self._accusations = ShareAccusations()     # whose rows members of U2 could not decrypt
         # senders of share rows that a majority of their recipients could not decrypt
         # (ShareAccusation): the caller may leave them out of its next rounds
         self.culprits: set[str] = set()
@@ -192,45 +185,25 @@ class ServerSecAgg:
         return self._close_phase() if self._phase_answered() else []
 
     def _note_accusation(self, accusation: ShareAccusation) -> list[Output]:
-        """Keep who a member of U2 says sent it share rows that do not decrypt (once per member, each
-        accused one of the neighbours whose rows it was forwarded); counted when the phase closes."""
+        """Keep who a member of U2 says sent it share rows that do not decrypt (``ShareAccusations.note``:
+        once per member, while its masked input is awaited, each accused one of the neighbours whose
+        rows it was forwarded); counted when the phase closes."""
         accuser = accusation.sender
-        if accuser in self._accusations:
-            raise ReplayedMessage(f"{ShareAccusation.TYPE} from {accuser!r} already received")
-        if accuser not in self._expected(Phase.MASKED_INPUT) or accuser in self._received[Phase.MASKED_INPUT]:
-            raise UnexpectedMessage(f"{accuser!r} may not accuse now: it is not waited for in phase "
-                                    f"{Phase.MASKED_INPUT.value}")
+        awaited = accuser in self._expected(Phase.MASKED_INPUT) and accuser not in self._received[Phase.MASKED_INPUT]
         forwarded = self._graph.neighbours(accuser) & set(self._received[Phase.SHARE_KEYS])
-        if not accusation.accused or not set(accusation.accused) <= forwarded:
-            raise MalformedMessage(f"{accuser!r} accuses devices whose rows it was not forwarded")
-        self._accusations[accuser] = frozenset(accusation.accused)     # one accuser counts once per device
+        self._accusations.note(accusation, awaited, forwarded)
         return []
 
     def _convict(self) -> None:
-        """The masked phase is closing: a sender accused by a strict majority of the neighbours it
-        sent share rows to, and by at least MIN_ACCUSERS of them (all, where it sent fewer), is a
-        culprit. A member cannot prove a row bad without revealing its cipher key, which would open
-        every row it holds, so the count is all there is: fewer lying members than half a device's
-        neighbours cannot make it one, nor can a pair (2 of 3 recipients are a majority in a group of 4)."""
-        for device, accusers in self._accusers_of().items():
-            recipients = len(self._received[Phase.SHARE_KEYS][device].recipients)
-            if len(accusers) >= min(MIN_ACCUSERS, recipients) and 2 * len(accusers) > recipients:
-                self.culprits.add(device)
-
-    def _accusers_of(self) -> dict[str, set[str]]:
-        """Accused sender -> the members that could not decrypt its rows (so hold none of its shares)."""
-        accusers: dict[str, set[str]] = {}
-        for accuser, accused in self._accusations.items():
-            for device in accused:
-                accusers.setdefault(device, set()).add(accuser)
-        return accusers
+        """The masked phase is closing: its culprits (``ShareAccusations.culprits``) are named."""
+        uploads = self._received[Phase.SHARE_KEYS]
+        self.culprits |= self._accusations.culprits(lambda device: len(uploads[device].recipients))
 
     def _copies_a_key(self, message: AdvertiseKeys) -> bool:
         """A first advert whose cipher or mask key another member advertised already."""
         if message.sender in self._received[Phase.ADVERTISE_KEYS] or message.sender in self.refused:
             return False            # a replay, or a refused member again: _receive says so
-        return any(self._key_owner.get(key, message.sender) != message.sender
-                   for key in (message.cipher_public_key, message.mask_public_key))
+        return copied_key(message, self._key_owner) is not None
 
     def _refuse_copied_key(self, message: AdvertiseKeys) -> list[Output]:
         """Leave the copier out of the round, as a dropout. Kept, the copy would reach the owner's
@@ -238,9 +211,7 @@ class ServerSecAgg:
         aborts and erases its secrets (a mask key copied would leave pair masks nobody can cancel).
         The first advert of a key keeps it: the server cannot tell who made it, and one that came
         in first was in no key directory yet, so it cannot be a copy of one."""
-        which, owner = next((name, self._key_owner[key]) for name, key in
-                            (("cipher", message.cipher_public_key), ("mask", message.mask_public_key))
-                            if self._key_owner.get(key, message.sender) != message.sender)
+        which, owner = copied_key(message, self._key_owner)
         self.refused[message.sender] = f"its {which} public key is the one {owner!r} advertised"
         return self._close_phase() if self._phase_answered() else []
 
@@ -276,22 +247,7 @@ class ServerSecAgg:
                    sender=self.config.aggregator_id, recipient=recipient, **fields).signed(self.identity)
 
     def _authenticate(self, message: Message) -> None:
-        if not message.FROM_CLIENT:
-            raise UnexpectedMessage(f"{message.TYPE} is a server message")
-        if RoundContext(message.job_id, message.round_id, message.group_id) != self.context:
-            raise WrongContext(f"{message.TYPE} from {message.sender!r} is for job {message.job_id!r} round "
-                               f"{message.round_id} group {message.group_id!r}, this round is {self.context}")
-        if message.recipient != self.config.aggregator_id:
-            raise WrongContext(f"{message.TYPE} is addressed to {message.recipient!r}")
-        if message.sender not in self._members:
-            raise UnknownSender(f"{message.sender!r} is not a member of group {self.config.group_id!r}")
-        try:
-            public_key = self.registry.public_key(message.sender)
-        except UnknownDevice:
-            raise UnknownSender(f"{message.sender!r} is not enrolled") from None
-        if isinstance(message, MaskedInput):
-            self._check_masked_words(message)   # before hashing a possibly huge array
-        message.verify(public_key)
+        authenticate(message, self.config, self.context, self._members, self.registry, self._word)
 
     def _expected(self, phase: Phase) -> dict[str, Any] | frozenset[str]:
         """Who may send in `phase`: everyone of the previous phase's set."""
@@ -313,64 +269,29 @@ class ServerSecAgg:
             return False            # more are missing than are known offline: O(1) for all but the last answers
         return set(expected) - set(received) <= offline
 
-    def _holders(self, owner: str) -> frozenset[str]:
-        return self._graph.neighbours(owner) | {owner}
-
-    # ---- per-message checks: raise before anything is stored, else return what to keep ---
+    # ---- per-message checks (server_checks.py): raise before anything is stored, else return what to keep ---
     def _check_advertise(self, message: AdvertiseKeys) -> AdvertiseKeys:
-        if message.cipher_public_key == message.mask_public_key:
-            raise MalformedMessage("cipher and mask keys must differ")
-        for key in (message.cipher_public_key, message.mask_public_key):     # else it is left out of U1
-            check_usable_public_key(key)        # (every neighbour's agreement with it would fail the round)
+        check_advertised_keys(message)
         # checked: it is kept, so its keys are now taken (_copies_a_key)
         self._key_owner.update({message.cipher_public_key: message.sender, message.mask_public_key: message.sender})
         return message
 
     def _check_shares(self, message: EncryptedShares) -> EncryptedShares:
-        expected = tuple(sorted(self._graph.neighbours(message.sender)))
-        if message.recipients != expected:
-            raise MalformedMessage(f"shares from {message.sender!r} must go exactly to its {len(expected)} "
-                                   "graph neighbours, in sorted order")
-        if message.ciphertexts.shape != (len(expected), SHARE_CIPHERTEXT_BYTES):
-            raise MalformedMessage(f"ciphertexts must have shape ({len(expected)}, {SHARE_CIPHERTEXT_BYTES})")
+        check_share_rows(message, self._graph.neighbours(message.sender))
         return message
-
-    def _check_masked_words(self, message: MaskedInput) -> None:
-        """The round's vector length, in the round's ring words."""
-        if message.masked_input.shape != (self.config.vector_length,):
-            raise MalformedMessage(f"masked input of shape {message.masked_input.shape}, the round's vector "
-                                   f"length is {self.config.vector_length}")
-        if message.masked_input.dtype != self._word:
-            raise MalformedMessage(f"masked input of {message.masked_input.dtype} words in a "
-                                   f"{self.config.ring_bits}-bit ring (expected {self._word})")
 
     def _accumulate(self, message: MaskedInput) -> bool:
         np.add(self._accumulator, message.masked_input, out=self._accumulator)
         return True  # the vector lives on only inside the accumulator
 
     def _check_consistency(self, message: ConsistencySignature) -> ConsistencySignature:
-        statement = consistency_statement(self.context.job_id, self.context.round_id, self.context.group_id,
-                                          self.config.to_bitmap(self.participants(Phase.MASKED_INPUT)))
-        try:
-            verify_signature(self.registry.public_key(message.sender), statement, message.survivors_signature)
-        except InvalidSignature:
-            raise BadSignature(f"consistency signature of {message.sender!r} does not verify") from None
+        survivors = self.config.to_bitmap(self.participants(Phase.MASKED_INPUT))
+        check_consistency_signature(message, self.context, survivors, self.registry.public_key(message.sender))
         return message
 
     def _check_unmask(self, message: UnmaskShares) -> UnmaskShares:
-        survivors = set(self._received[Phase.MASKED_INPUT])
-        u2 = self._received[Phase.SHARE_KEYS]
-        holder_of = self._holders(message.sender)
-        overlap = set(message.self_mask_owners) & set(message.key_owners)
-        if overlap:
-            raise MalformedMessage(f"{message.sender!r} sent both shares for {sorted(overlap)}")
-        if not all(o in survivors and o in holder_of for o in message.self_mask_owners):
-            raise MalformedMessage("self-mask shares for devices that are not surviving neighbours")
-        if not all(o in u2 and o not in survivors and o in holder_of for o in message.key_owners):
-            raise MalformedMessage("mask-key shares for devices that are not dropped neighbours")
-        for array in (message.self_mask_shares, message.key_shares):
-            if array.shape[1] != SHARE_BYTES:
-                raise MalformedMessage(f"shares must be {SHARE_BYTES} bytes wide")
+        owners_held = self._graph.neighbours(message.sender) | {message.sender}
+        check_unmask_shares(message, self._received[Phase.MASKED_INPUT], self._received[Phase.SHARE_KEYS], owners_held)
         return message
 
     # ---- phase transitions -------------------------------------------------------------
@@ -411,7 +332,7 @@ class ServerSecAgg:
         refused survivors whose graph falls apart."""
         survivors = self._received[Phase.MASKED_INPUT]
         dropped = self._received[Phase.SHARE_KEYS].keys() - survivors.keys()
-        coverage = UnmaskCoverage(self._graph, self.config.share_threshold, self._accusers_of())
+        coverage = UnmaskCoverage(self._graph, self.config.share_threshold, self._accusations.accusers_of())
         return coverage.shortfall(survivors, dropped, self._received[phase])
 
     def _send_key_directories(self) -> list[Output]:
@@ -468,65 +389,10 @@ class ServerSecAgg:
                   "consistency_signatures": signatures}
         return [self._message(UnmaskRequest, device, **fields) for device in recipients]
 
-    def _collect_shares(self) -> tuple[dict[str, dict[int, bytes]], dict[str, dict[int, bytes]]]:
-        self_mask_shares: dict[str, dict[int, bytes]] = {}
-        key_shares: dict[str, dict[int, bytes]] = {}
-        for holder, message in self._received[Phase.UNMASK].items():
-            x = self.config.holder_x(holder)
-            for owner, share in zip(message.self_mask_owners, message.self_mask_shares):
-                self_mask_shares.setdefault(owner, {})[x] = share.tobytes()
-            for owner, share in zip(message.key_owners, message.key_shares):
-                key_shares.setdefault(owner, {})[x] = share.tobytes()
-        return self_mask_shares, key_shares
-
-    def _reconstruct(self, shares: dict[str, dict[int, bytes]], owner: str, what: str,
-                     is_secret: Callable[[bytes], bool], suspects: set[int], doubted: set[int]) -> bytes:
-        """``owner``'s secret from its holders' shares, confirmed by ``is_secret``: a holder whose
-        shares are wrong is outvoted by the others (``shamir.reconstruct_verified``)."""
-        try:
-            return shamir.reconstruct_verified(shares.get(owner, {}), self.config.share_threshold, SECRET_BYTES,
-                                               is_secret, suspects, doubted=doubted)
-        except ReconstructionError as exc:
-            # a member that dealt shares of another secret than it committed to, or shares on no one
-            # polynomial, looks the same as holders that lied: said, never named (docs: Known gaps)
-            raise ReconstructionError(f"{what} of {owner!r}: {exc}, or {owner!r} dealt its shares wrong "
-                                      "(the server cannot tell which)") from None
-
-    def _mask_seeds_to_remove(self) -> list[tuple[bytes, int]]:
-        """(seed, sign) of every mask left in the accumulator: -b_u for each survivor u, and for
-        each dropped v the opposite of the pair mask each surviving neighbour u added. Raises
-        ReconstructionError when shares are missing or do not match a commitment / public key."""
-        survivors = self.participants(Phase.MASKED_INPUT)
-        advertised = self._received[Phase.ADVERTISE_KEYS]
-        self_mask_shares, key_shares = self._collect_shares()
-        signed_seeds: list[tuple[bytes, int]] = []
-        commitments = self._received[Phase.SHARE_KEYS]
-        suspects: set[int] = set()        # holders caught with a wrong share: tried last for the next secret
-        doubted: set[int] = set()         # left out of a confirmed set, uncorroborated: tried late (a hint)
-        for owner in survivors:
-            commitment = commitments[owner].self_mask_commitment
-            seed = self._reconstruct(self_mask_shares, owner, "self-mask seed",
-                                     lambda s: self_mask_commitment(self.context, owner, s) == commitment,
-                                     suspects, doubted)
-            signed_seeds.append((seed, -1))
-        for dropped in self._dropped:
-            masked_with = sorted(self._graph.neighbours(dropped) & set(survivors))
-            if not masked_with:
-                continue
-            public = advertised[dropped].mask_public_key
-            mask_key = x25519_from_private_bytes(self._reconstruct(
-                key_shares, dropped, "mask key",
-                lambda s: x25519_public_bytes(x25519_from_private_bytes(s)) == public, suspects, doubted))
-            for survivor in masked_with:
-                seed = pair_mask_seed(mask_key, advertised[survivor].mask_public_key, self.context,
-                                      dropped, survivor)
-                signed_seeds.append((seed, -pair_mask_sign(survivor, dropped)))
-        return signed_seeds
-
     def _finish(self) -> list[Output]:
         survivors = self.participants(Phase.MASKED_INPUT)
         try:
-            signed_seeds = self._mask_seeds_to_remove()
+            signed_seeds = mask_seeds_to_remove(self.config, self.context, self._graph, self._received, self._dropped)
         except ReconstructionError as exc:
             return self._fail(f"unmask: {exc}")
         total = self._accumulator
