@@ -196,18 +196,25 @@ def test_a_device_declining_after_it_trained_puts_its_state_back(tmp_path, keys,
     assert store.load(job_id, None).round == later["state"]["round"]     # a sent round still moves it
 
 
+def one_round_on_dev0(kind, tmp_path, keys):
+    """A secure job of ``kind`` whose first round dev0 has answered (its state kept): the job, that
+    round's params and tensors, and dev0's client."""
+    job = secure_job(kind, tmp_path, keys)
+    job.next_participants(set(DEVICES))
+    params, tensors = job.task_for("dev0")
+    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    client.on_task("sec", job.round, params, tensors)          # a sent round: its state is kept
+    return job, params, tensors, client
+
+
 @pytest.mark.parametrize("kind", [SCAFFOLD_KIND, DITTO_KIND])
 def test_a_device_whose_secure_input_ledger_is_unreadable_declines_before_it_trains(tmp_path, keys, kind):
     """A device restarted with its secure-input ledger unreadable declines every secure task
     (LOST_REASON) before its plain handler trains: the c_k / v_k it keeps stay those of the round it
     did send, byte for byte. It used to train first, the handler saving the next round's state,
     and decline only then, its state advanced for a round it never contributed to."""
-    job = secure_job(kind, tmp_path, keys)
-    job.next_participants(set(DEVICES))
-    params, tensors = job.task_for("dev0")
-    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    job, params, tensors, client = one_round_on_dev0(kind, tmp_path, keys)
     store, job_id = client.training.store, job.config.job_id
-    client.on_task("sec", job.round, params, tensors)          # a sent round: its state is kept
     sent = store.load(job_id, None)
     ledger = tmp_path / SECURE_INPUTS_FILE
     ledger.write_text('{"inputs": [["a", "b"]]}')              # damaged while the device was down
@@ -555,12 +562,8 @@ def test_a_handler_base_exception_after_it_saved_puts_its_state_back(tmp_path, k
     ends the task: nothing is sent, so the job's entry goes back to the round the device did send,
     byte for byte, as for a decline (it stayed advanced: the device's next round started from a
     step the server never counted)."""
-    job = secure_job(kind, tmp_path, keys)
-    job.next_participants(set(DEVICES))
-    params, tensors = job.task_for("dev0")
-    client = secure_clients(kind, keys, tmp_path, ["dev0"])["dev0"]
+    job, params, tensors, client = one_round_on_dev0(kind, tmp_path, keys)
     store, job_id = client.training.store, job.config.job_id
-    client.on_task("sec", job.round, params, tensors)          # a sent round: its state is kept
     finished(client)
     sent = store.load(job_id, None)
 
