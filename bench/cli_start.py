@@ -4,6 +4,9 @@ stop 50 (every command's, the server's job registry included: torch), each in a 
 And how long a mistake in a config takes to be reported (``simulate --config`` naming a key twice;
 ``aggregator serve --config`` the same): since stop 68 the job registry the check builds on imports
 torch only where the jobs compute, against the same call with torch imported first (as before).
+And (stop 82) the aggregator's command line and a config's check without scipy, which they imported
+through the CPU's LAPACK calls and the synthetic scenes' filters, against the same calls with
+scipy.linalg and scipy.ndimage imported first (as before).
 
     .venv/bin/python bench/cli_start.py [--repeats 3]
 """
@@ -32,6 +35,13 @@ CONFIG_CHECKS = {       # {bad}: a file holding BAD_CONFIG
                                          "'--config', {bad!r}])",
 }
 
+SCIPY_FIRST = "import scipy.linalg, scipy.ndimage\n"
+SCIPY_CALLS = {         # each against itself with SCIPY_FIRST (before stop 82)
+    "fedfleet aggregator --help": "from fedfleet.cli import main\ntry: main(['aggregator', '--help'])\n"
+                                  "except SystemExit: pass",
+    "simulate --config mistake": CONFIG_CHECKS["simulate --config mistake"],
+}
+
 
 def seconds(code: str, repeats: int) -> float:
     """Median wall seconds of a fresh interpreter running ``code``."""
@@ -55,9 +65,14 @@ def main() -> None:
         bad = str(pathlib.Path(folder) / "bad.json")
         pathlib.Path(bad).write_text(BAD_CONFIG)
         checks = {name: seconds(code.format(bad=bad), args.repeats) for name, code in CONFIG_CHECKS.items()}
+        without_scipy = {name: (seconds(code.format(bad=bad), args.repeats),
+                                seconds(SCIPY_FIRST + code.format(bad=bad), args.repeats))
+                         for name, code in SCIPY_CALLS.items()}
     before = checks["the same, torch first (before)"]
     for name, value in checks.items():
         print(f"{name:>34}: {value:.3f} s   ({value / before:.3f} of the check with torch imported first)")
+    for name, (now, scipy_first) in without_scipy.items():
+        print(f"{name:>34}: {now:.3f} s   ({now / scipy_first:.3f} of the same with scipy imported first)")
 
 
 if __name__ == "__main__":
