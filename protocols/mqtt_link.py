@@ -136,13 +136,19 @@ def _survives(callback):
     (protocols/message_loop.py ENDS_THE_LOOP)."""
     @functools.wraps(callback)
     def guarded(self, *args, **kwargs):
-        try:
-            return callback(self, *args, **kwargs)
-        except ENDS_THE_LOOP:
-            raise
-        except BaseException:
-            log.exception("%s: the MQTT link's %s raised; the link goes on", self.client_id, callback.__name__)
+        return _logged_if_raising(self.client_id, callback.__name__, callback, self, *args, **kwargs)
     return guarded
+
+
+def _logged_if_raising(client_id: str, what: str, step: Callable[..., Any], *args, **kwargs) -> Any:
+    """``step(*args, **kwargs)``; what it raises (but ENDS_THE_LOOP) logged, once, naming ``what``,
+    and None returned: the link goes on."""
+    try:
+        return step(*args, **kwargs)
+    except ENDS_THE_LOOP:
+        raise
+    except BaseException:
+        log.exception("%s: the MQTT link's %s raised; the link goes on", client_id, what)
 
 
 class MqttLink:
@@ -299,13 +305,16 @@ class MqttLink:
             return
         with self._held_lock:        # a clean session drops what paho held without acknowledging it
             self._unacked = len(getattr(client, "_out_messages", ()))
-        self._drain(client)
-        for topic, qos in self.subscriptions:
-            client.subscribe(topic, qos=qos)
+        # each step fails on its own, said once: one that raised skipped the rest before, the link
+        # connected but deaf (its other subscriptions never made) and start() kept waiting
         try:
+            _logged_if_raising(self.client_id, "handing over held publishes", self._drain, client)
+            for topic, qos in self.subscriptions:
+                _logged_if_raising(self.client_id, f"subscription to {topic[:120]!r}", client.subscribe,
+                                   topic, qos=qos)
             if self._on_connect_hook:
-                self._on_connect_hook()
-        finally:            # connected all the same: the hook's error said (_survives), start() not kept waiting
+                _logged_if_raising(self.client_id, "on-connect hook", self._on_connect_hook)
+        finally:            # connected all the same (an ENDS_THE_LOOP too): start() not kept waiting
             self.connected.set()
 
     @_survives

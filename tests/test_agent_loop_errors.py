@@ -184,3 +184,24 @@ def test_a_link_whose_on_connect_hook_raises_is_connected_and_receives(broker):
         delivered(broker, link, "t/hook", got)
     finally:
         link.stop()
+
+
+def test_a_link_whose_held_publish_and_one_subscription_raise_on_connect_makes_every_other_step(broker, caplog):
+    """Each step of the on-connect callback fails on its own: a held publish paho refuses (a
+    wildcard topic) and a subscription it refuses (QoS 7) are each logged once, and every other
+    subscription, the hook and ``connected`` still happen (the first error skipped them all before:
+    the link connected but deaf, start() waiting until its timeout)."""
+    got, hooked = [], threading.Event()
+    link = MqttLink("raising-steps", BrokerConfig(port=broker.port), lambda t, p: got.append(p),
+                    subscriptions=[("t/refused", 7), ("t/steps", 1)], on_connect=hooked.set)
+    link._held.append(("t/wildcard/#", b"refused by paho", False))     # as if held under MAX_UNACKED
+    with caplog.at_level(logging.ERROR, logger="fedfleet.mqtt"):
+        link.start(timeout=5)
+        try:
+            assert hooked.is_set() and link.connected.is_set()
+            delivered(broker, link, "t/steps", got)
+        finally:
+            link.stop()
+    said = [r.getMessage() for r in caplog.records if r.name == "fedfleet.mqtt"]
+    assert said == ["raising-steps: the MQTT link's handing over held publishes raised; the link goes on",
+                    "raising-steps: the MQTT link's subscription to 't/refused' raised; the link goes on"]
