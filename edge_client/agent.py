@@ -18,6 +18,7 @@ availability windows; a real device uses the defaults (no shaping).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -217,6 +218,9 @@ class DeviceAgent:
             on_connect=self._announce,
             will=(topics.presence(device_id), encode(offline, signer=signer), True))
         self.online = False
+        # going online or offline is one step at a time: the loop's thread (its tick, its on_end)
+        # and stop() on another both went offline at once, and said 'offline' twice
+        self._presence_lock = threading.Lock()
         self._outage_until = 0.0
         self._declined_for = FirstTimes()           # decline reasons already logged
         self._skipped_for = FirstTimes()            # (job, reason) of skipped tasks already logged
@@ -272,11 +276,15 @@ class DeviceAgent:
         return False
 
     def _go_online(self) -> None:
-        self.link.start()
-        self.online = True
+        with self._presence_lock:
+            self.link.start()
+            self.online = True
 
     def _go_offline(self) -> None:
-        if self.online:
+        # the whole step under the lock: a second caller returns once the device is offline, not before
+        with self._presence_lock:
+            if not self.online:
+                return
             self.link.publish(self.topics.presence(self.device_id),
                               encode(M.presence_message(self.device_id, "offline"), signer=self.signer),
                               retain=True, wait=True)

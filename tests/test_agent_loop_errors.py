@@ -205,3 +205,41 @@ def test_a_link_whose_held_publish_and_one_subscription_raise_on_connect_makes_e
     said = [r.getMessage() for r in caplog.records if r.name == "fedfleet.mqtt"]
     assert said == ["raising-steps: the MQTT link's handing over held publishes raised; the link goes on",
                     "raising-steps: the MQTT link's subscription to 't/refused' raised; the link goes on"]
+
+
+class SlowPublishLink:
+    """An agent's link (``link_factory``) that keeps the presence states it publishes, each publish
+    taking a while (a broker slow to acknowledge): the window in which a second thread taking the
+    agent offline found it still online."""
+
+    def __init__(self, **kwargs):
+        self.states: list[str] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def publish(self, topic, payload, **kwargs) -> None:
+        time.sleep(0.2)
+        self.states.append(decode(payload).body["state"])
+
+
+def test_an_agent_ended_while_being_stopped_says_offline_once():
+    """The loop's on_end (its thread ended by a SystemExit) and stop() (the application's thread)
+    take the agent offline at once: one ``offline`` presence, not one each."""
+    agent = DeviceAgent("dev-race", BrokerConfig(), {}, link_factory=SlowPublishLink).start(own_thread=False)
+    both = threading.Barrier(2)
+
+    def at_once(go_offline):
+        both.wait()
+        go_offline()
+
+    racers = [threading.Thread(target=at_once, args=(agent.stop,)),
+              threading.Thread(target=at_once, args=(lambda: agent._ended(SystemExit("the loop's end")),))]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(10)
+    assert agent.link.states == ["offline"] and not agent.online
