@@ -253,7 +253,10 @@ class DeviceAgent:
 
     def pump(self) -> None:
         """Handle every queued message, then one tick (retries, availability); never blocks on
-        the inbox. Must not run concurrently with itself."""
+        the inbox. Must not run concurrently with itself. Once the loop ended (``ended_by``) it does
+        nothing: following availability would bring the ended device online again."""
+        if self.ended_by is not None:
+            return
         self._follow_availability()
         self.loop.serve_pending()
 
@@ -261,7 +264,9 @@ class DeviceAgent:
     def wants_tick(self) -> bool:
         """Whether a tick may do anything: a result awaiting its ack (retries), an outage to end,
         an availability to follow, a secure session to end at its deadline. An idle, online, always
-        available device's tick is a no-op."""
+        available device's tick is a no-op, and so is an ended agent's (:meth:`pump`)."""
+        if self.ended_by is not None:
+            return False
         if not (self.hooks.always_available and self.online and time.monotonic() >= self._outage_until):
             return True
         state = self.session.state

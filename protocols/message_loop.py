@@ -224,7 +224,11 @@ class MessageLoop:
 
     def serve_pending(self) -> None:
         """Handle every item queued now, never waiting, then tick once: for a party pumped by a host
-        that drives many (``fedfleet/emulation/host.py``); must not run concurrently with itself."""
+        that drives many (``fedfleet/emulation/host.py``); must not run concurrently with itself.
+        What ends :meth:`run` ends a pumped loop alike (said, kept in ``ended_by``, ``on_end``, then
+        re-raised to the host); an ended loop serves nothing more."""
+        if self.ended_by is not None:
+            return
         self._owner = threading.get_ident()
         try:
             while True:
@@ -234,6 +238,9 @@ class MessageLoop:
                     break
                 self._serve(item)
             self._tick_once()
+        except BaseException as exc:    # a host's pool held it unseen: the party online, answering nothing
+            self._ended(exc)
+            raise
         finally:                # the host's next pump may come on another of its threads
             self._owner = None
 

@@ -5,7 +5,8 @@ of tests/test_java_agent_errors.py):
   application's own) is that task's failure: declined, and the device's next task runs. It ended
   the agent's thread (the loop caught Exception only), the device online and answering nothing;
 * KeyboardInterrupt and SystemExit on the agent's thread end its loop cleanly: logged once, kept in
-  ``DeviceAgent.ended_by``, presence ``offline``;
+  ``DeviceAgent.ended_by``, presence ``offline``; a hosted agent's (pumped by a DeviceHost) the same,
+  the host pumping it no more and its other devices going on;
 * a paho callback of the link that raises (its on-connect hook, its on_message) no longer ends
   paho's network thread, and the link with it (no reconnect, nothing received).
 """
@@ -21,6 +22,7 @@ import time
 import paho.mqtt.client as mqtt
 
 from edge_client.agent import DeviceAgent
+from fedfleet.emulation.host import DeviceHost
 from protocols import messages as M
 from protocols.envelope import decode, encode
 from protocols.message_loop import MessageLoop
@@ -243,3 +245,32 @@ def test_an_agent_ended_while_being_stopped_says_offline_once():
     for racer in racers:
         racer.join(10)
     assert agent.link.states == ["offline"] and not agent.online
+
+
+def test_a_hosted_agent_ended_by_a_system_exit_goes_offline_and_the_hosts_other_devices_go_on(broker, caplog):
+    """As a threaded agent's (test_a_system_exit_on_the_agents_thread_ends_it_cleanly): a SystemExit
+    in a hosted agent's pump was held, unseen, in the host's step future, the agent online and deaf."""
+    devices = ("dev-h-exit", "dev-h-on")
+    sniffer = Sniffer(broker, [topic for d in devices for topic in (T.outbox(d), T.presence(d))])
+    host = DeviceHost(step_threads=2, tick_s=0.05)
+    try:
+        for device in devices:      # not always available: the host ticks (pumps) them every tick_s
+            host.add(lambda link_factory, device=device: DeviceAgent(
+                device, BrokerConfig(port=broker.port), {"raising": raising}, link_factory=link_factory))
+        wait_for(lambda: all("online" in presences(sniffer, d) for d in devices), what="the agents online")
+        with caplog.at_level(logging.CRITICAL, logger="fedfleet.loop"):
+            send_task(sniffer, "dev-h-exit", "job-exit", {"raise": "exit"})
+            wait_for(lambda: presences(sniffer, "dev-h-exit")[-1:] == ["offline"], what="presence offline")
+        ended = host.agents["dev-h-exit"]
+        assert isinstance(ended.ended_by, SystemExit)
+        said = [r.getMessage() for r in caplog.records if "the loop ended" in r.getMessage()]
+        assert said == ["agent-dev-h-exit: the loop ended (SystemExit: the application exits from a handler): "
+                        "it handles nothing more"]
+        after = send_task(sniffer, "dev-h-on", "job-on", {})
+        wait_for(lambda: after in answers(sniffer, "dev-h-on"), what="the other device's answer")
+        time.sleep(10 * host.tick_s)     # ticks that would pump the ended agent, and so bring it online again
+        assert presences(sniffer, "dev-h-exit")[-2:] == ["online", "offline"] and not ended.online
+        assert answers(sniffer, "dev-h-exit") == {} and host.step_errors == 0
+    finally:
+        host.stop()
+        sniffer.close()

@@ -17,7 +17,9 @@ the I/O around it changes:
 
 Isolation: a device whose connection fails keeps retrying on its own (``connect_failures``,
 ``last_connect_error``); an exception from one device's pump or handler is logged and only that
-task fails; other devices never notice.
+task fails; other devices never notice. A KeyboardInterrupt or SystemExit in one device's pump ends
+that device as it ends a threaded agent (``ended_by``, one log line, presence offline), and the host
+pumps it no more.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from edge_client.agent import DeviceAgent
+from protocols.message_loop import ENDS_THE_LOOP
 from protocols.mqtt_eventloop import LoopLink, MqttEventLoop, raise_open_file_limit
 
 from .processes import process_rss_mb
@@ -153,6 +156,8 @@ class DeviceHost:
             self._running.add(device_id)
         try:
             self.agents[device_id].pump()
+        except ENDS_THE_LOOP:            # that agent's loop ended (said, ended_by, presence offline): not pumped again
+            pass
         except Exception:                # one device's bug ends its step, not the host
             self.step_errors += 1
             log.exception("%s: step failed", device_id)
