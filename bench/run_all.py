@@ -39,6 +39,7 @@ QUICK = {
     "export_folding.py": [],
     "device_session_memory.py": ["--sessions", "2000"],
     "deployment_restart.py": ["--devices", "2000"],
+    "secagg_degree.py": ["--repeats", "1"],
 }
 
 
