@@ -22,7 +22,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Protocol
 
 import numpy as np
 
@@ -65,6 +66,10 @@ class FirstTimes:
 
 class TaskDeclined(Exception):
     """Raised by a handler that cannot do a task (wrong backbone, no data, ...)."""
+
+
+class Unsendable(Exception):
+    """A task's result that cannot be encoded (over the wire's limits, past the memory): declined."""
 
 
 class DroppedOut(Exception):
@@ -115,6 +120,21 @@ class MessageHandler(ABC):
         """The answers to ``env`` cannot be sent (``exc``: the outbox refused one, before any went).
         A protocol whose round cannot go on without them ends it here (a SecAgg session at once)."""
         log.warning("the answers to a %s message cannot be sent: %s", env.type, exc)
+
+
+class KeepsState(ABC):
+    """A plain task kind that keeps per-job state on the device and saves it before its result
+    goes out (the stateful head kinds, Scaffold on the tail): the agent runs the task, and builds
+    and encodes its result, within ``state_put_back_on_failure(params)``, so a task that then sends
+    nothing (declined, failed, stopped, its result unsendable) leaves the job's state as it was."""
+
+    @classmethod
+    def __subclasshook__(cls, candidate: type):
+        return _defines(candidate, "state_put_back_on_failure") if cls is KeepsState else NotImplemented
+
+    @abstractmethod
+    def state_put_back_on_failure(self, params: dict[str, Any]) -> ContextManager[None]:
+        """A context that puts the task's job state back if anything within it raises."""
 
 
 class TaskHandler(Protocol):
@@ -446,6 +466,27 @@ class DeviceAgent:
             log.warning("%s: declined a task of job %s: %s (logged once per reason)",
                         self.device_id, act.ref.job, reason)
 
+    def _encoded_work(self, act: StartWork, handler, secure) -> tuple[list, float, str]:
+        """The task's messages (a plain handler's result, or a secure task's first protocol
+        messages), each encoded now, once (a retry resends the same bytes), the compute time and
+        the id of the message whose ack the session waits for.
+        A result that cannot be encoded raises :class:`Unsendable`: a decline, not an error per retry."""
+        t0 = time.perf_counter()
+        if secure is not None:
+            outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
+        else:
+            body, tensors = handler(act.params, act.tensors)
+        elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
+        self.stats.compute_s += elapsed
+        self.hooks.after_compute(elapsed)       # an emulated slower device's extra time: within the deadline too
+        if secure is None:
+            outs = [M.result_message(self.device_id, act.ref, act.kind, body, tensors)]
+        try:
+            payloads = [encode_parts(m, self.signer, self.chunk_size) for m in outs]
+        except (EnvelopeError, ValueError, MemoryError) as exc:
+            raise Unsendable(str(exc)) from exc
+        return payloads, elapsed, f"{act.ref.task}:protocol" if secure is not None else outs[0].id
+
     def _do_work(self, act: StartWork) -> None:
         """Run a task's handler; a secure task's handler starts its protocol (``on_task``) instead of
         producing a result: its messages go through the same session (redelivered task = the same
@@ -459,17 +500,12 @@ class DeviceAgent:
         if foreign is not None:             # a stateful task's state is keyed by it: never another job's
             self._execute(self.session.handle(WorkFailed(act.ref, foreign)))
             return
-        t0 = time.perf_counter()
+        kept = handler.state_put_back_on_failure if secure is None and isinstance(handler, KeepsState) else None
         try:
             # the work stops once the round is surely over: the arrival check's moment (work_deadline.py)
-            with working_until(act.deadline + self.session.deadline_grace_s, task=act.ref, clock=self.clock):
-                if secure is not None:
-                    outs = list(secure.on_task(act.ref.job, act.ref.round, act.params, act.tensors))
-                else:
-                    body, tensors = handler(act.params, act.tensors)
-                elapsed = max(0.0, time.perf_counter() - t0 - self.hooks.queued_s())
-                self.stats.compute_s += elapsed
-                self.hooks.after_compute(elapsed)       # an emulated slower device's extra time: within it too
+            with working_until(act.deadline + self.session.deadline_grace_s, task=act.ref, clock=self.clock), \
+                    (nullcontext() if kept is None else kept(act.params)):
+                payloads, elapsed, sent_id = self._encoded_work(act, handler, secure)
         except PastDeadline as exc:          # nobody waits for the answer any more
             self.stats.tasks_stopped += 1
             if self._skipped_for.first(f"{act.ref.job} stopped"):
@@ -484,6 +520,10 @@ class DeviceAgent:
             self._outage_until = time.monotonic() + self.hooks.offline_after_dropout_s
             self._go_offline()
             return
+        except Unsendable as exc:
+            log.warning("%s: a %s result cannot be sent: %s", self.device_id, act.kind, exc)
+            self._execute(self.session.handle(WorkFailed(act.ref, f"result cannot be sent: {exc}")))
+            return
         except TaskDeclined as exc:
             self._execute(self.session.handle(WorkFailed(act.ref, str(exc))))
             return
@@ -494,19 +534,8 @@ class DeviceAgent:
                           act.ref.job, act.ref.round, act.ref.task, act.kind)
             self._execute(self.session.handle(WorkFailed(act.ref, f"error: {exc}")))
             return
-        if secure is None:
-            outs = [M.result_message(self.device_id, act.ref, act.kind, body, tensors)]
-        try:        # encoded now, once: a result that cannot be sent is a decline, not an error per retry
-            payloads = [encode_parts(m, self.signer, self.chunk_size) for m in outs]
-        except (EnvelopeError, ValueError, MemoryError) as exc:
-            log.warning("%s: a %s result cannot be sent: %s", self.device_id, act.kind, exc)
-            self._execute(self.session.handle(WorkFailed(act.ref, f"result cannot be sent: {exc}")))
-            return
         self.stats.tasks_done += 1
         self.stats.count(act.kind, tasks=1, compute_s=elapsed)
-        if secure is not None:
-            done = WorkFinished(act.ref, (act.kind, payloads), f"{act.ref.task}:protocol", expects_ack=False)
-        else:
-            done = WorkFinished(act.ref, (act.kind, payloads), outs[0].id)
-        self._execute(self.session.handle(done))
+        self._execute(self.session.handle(WorkFinished(act.ref, (act.kind, payloads), sent_id,
+                                                       expects_ack=secure is None)))
 

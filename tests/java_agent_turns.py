@@ -23,9 +23,11 @@ class AfterTurn:
 
 
 class AgentTurns:
-    def __init__(self):
+    def __init__(self, *stateful: str):
+        """``stateful``: (features file, state folder): the device also answers scaffold.head and ditto.head."""
         self.proc = subprocess.Popen(java_build.java_command("-cp", java_build.built(), "org.fedfleet.device.AgentTurns",
-                                                             JAVA, os.urandom(32).hex(), AGGREGATOR.public_key_bytes.hex()),
+                                                             JAVA, os.urandom(32).hex(), AGGREGATOR.public_key_bytes.hex(),
+                                                             *map(str, stateful)),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert self.proc.stdout.readline().strip() == "READY", self.proc.stderr.read()[-3000:]
@@ -40,6 +42,12 @@ class AgentTurns:
         assert fields[0::2] == ["ENDED", "DONE", "DECLINED", "STOPPED"], self.proc.stderr.read()[-3000:]
         ended, done, declined, stopped = fields[1::2]
         return AfterTurn(int(ended), int(done), int(declined), None if stopped == "-" else stopped)
+
+    def fail(self, how: str) -> None:
+        """The stateful kinds' results from now on: "oversize", "throw" or "none" (AgentTurns.failing)."""
+        self.proc.stdin.write(f"FAIL {how}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "OK", self.proc.stderr.read()[-3000:]
 
     def close(self) -> str:
         """Ends the bridge; returns what it logged (standard error)."""

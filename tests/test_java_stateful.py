@@ -498,3 +498,55 @@ def test_mixed_java_and_python_fleet_runs_secure_scaffold_and_ditto(java_cp, bro
     assert {env.type for env in received} <= {"secagg", "presence"}           # no head, Δc or v_k in the clear
     for d in JAVA_IDS:
         assert f"STATS {d} done=2 declined=0" in out, out
+
+
+@pytest.mark.parametrize("kind", ["scaffold.head", "ditto.head"])
+@pytest.mark.parametrize("how", ["oversize", "throw"])
+def test_a_java_stateful_task_that_sends_nothing_after_its_handler_saved_puts_the_state_back(java_cp, tmp_path,
+                                                                                            kind, how):
+    """The Java device's MqttAgent (tests/java_device/AgentTurns.java) runs round 1 of a plain
+    scaffold.head / ditto.head job, then round 2, whose result cannot be encoded (a body over the
+    header limit) or whose handler throws after it saved: the task is declined and the job's entry is
+    round 1's, the Python device's after round 1 (tests/test_stateful_put_back.py shows the Python
+    agent's put-back). The Java agent used to keep round 2's state, a round the server never counted."""
+    from java_agent_turns import AgentTurns
+    from ops_fleet import Features
+    from test_java_device import write_features
+
+    from edge_client.state import DeviceStateStore
+    from protocols import messages as M
+    from protocols.envelope import Envelope
+
+    _, _, fields, handler_type = stateful_kind(kind)
+    Z, y = device_data(0)
+    rng = np.random.default_rng(4)
+
+    def task(round_: int) -> tuple[dict, dict]:
+        head = {"weight": (0.1 * rng.normal(size=(C, D))).astype(np.float32), "bias": np.zeros(C, np.float32)}
+        control = {f"control.{k}": (0.05 * rng.normal(size=v.shape)).astype(np.float32) for k, v in head.items()}
+        params = {"num_classes": C, "feature_dim": D, "backbone": "b", "image_size": 8, "epochs": 2, "batch_size": 8,
+                  "lr": 0.05, "seed": 3, "job_id": "put-back", "state": {**STATE, "round": round_}, **fields}
+        return params, {**head, **(control if kind == "scaffold.head" else {})}
+
+    def envelope(round_: int, params: dict, tensors: dict) -> Envelope:
+        t = M.task_message("aggregator", "put-back", round_, kind, params, time.time() + 600)
+        return Envelope(t.type, t.sender, t.body, tensors, id=t.id, ts=t.ts)
+
+    rounds = [task(1), task(2)]
+    python = DeviceStateStore(tmp_path / "py-state")
+    handler_type(Z, y, lambda b, s, w: Features(D), python)(*rounds[0])     # the Python device's round 1
+    agent = AgentTurns(write_features(tmp_path / "f.feat", Z, y), tmp_path / "java-state")
+    try:
+        first = agent.turn(envelope(1, *rounds[0]))
+        assert (first.done, first.declined) == (1, 0)
+        agent.fail(how)
+        failed = agent.turn(envelope(2, *rounds[1]))
+        assert (failed.done, failed.declined, failed.stopped_by) == (1, 1, None)
+    finally:
+        log = agent.close()
+    assert ("result cannot be sent" if how == "oversize" else "failed after the handler saved") in log, log[-3000:]
+    java_state = DeviceStateStore(tmp_path / "java-state").load("put-back", None)
+    py_state = python.load("put-back", None)
+    assert java_state.round == py_state.round == 1 and sorted(java_state.arrays) == sorted(py_state.arrays)
+    for k, v in py_state.arrays.items():
+        assert np.abs(java_state.arrays[k] - v).max() <= CONTROL_ATOL, k

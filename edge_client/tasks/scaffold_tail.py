@@ -32,6 +32,7 @@ class ScaffoldTailTask(TailTrainingTask, DeviceStateKeeper):
     The arguments are TailTrainingTask's plus the device's state store (None: it declines)."""
 
     kind = KIND_TAIL
+    params_type = ScaffoldTailParams
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, manifest, store: DeviceStateStore | None,
                  trunk=None, cache_dir: str | None = None, session=None):

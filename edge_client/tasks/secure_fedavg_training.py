@@ -23,7 +23,7 @@ decline does (:meth:`SecureScaffoldTraining.round_end`), else c drifts from the 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -36,10 +36,9 @@ from protocols.payloads.task_params import DpRound
 from protocols.secagg.distributed_dp import clip_bit
 
 from ..agent import TaskDeclined
-from ..state import DeviceStateStore, StateBudgetExceeded, StateEntry
 from .params import read_params
 from .secure_update import RoundEnd, SecAggSessions, SecureUpdate
-from .stateful_head import StatefulHeadTask
+from .stateful_head import DeviceStateKeeper, StatefulHeadTask, put_back
 
 log = logging.getLogger("fedfleet.device.secagg")
 
@@ -161,35 +160,15 @@ class SecureScaffoldTraining(SecureFedAvgTraining):
         return ended
 
 
-@contextmanager
 def state_restored_on_decline(training, params: dict, kind: str):
-    """A stateful handler saves its c_k / v_k before its result goes out; a device that then
-    declines (its trained head beyond the round's |θ| bound, a vector order it cannot follow)
-    sends nothing, so the job's entry goes back to what it was: the server's state never counted
-    this round's step (Scaffold's c = mean c_k stays true) and the next round starts where this one
-    did. A handler that keeps no state passes."""
-    if not isinstance(training, StatefulHeadTask) or training.store is None:
-        yield
-        return
-    store, job_id = training.store, read_params(training.params_type, params, kind).job_id
-    before = store.load(job_id, None)
-    try:
-        yield
-    except BaseException:   # any failure sends nothing: a declined task, one whose result could not be built, or
-        # a BaseException of the application's (the agent declines it and goes on: message_loop.ENDS_THE_LOOP)
-        put_back(store, job_id, before)
-        raise                       # the decline, whatever the store did (as Java's putBack)
-
-
-def put_back(store: DeviceStateStore, job_id: str, before: StateEntry | None) -> None:
-    """The job's entry back to ``before`` (what ``store.load`` gave before the task; None: none)."""
-    try:
-        if before is None:
-            store.drop(job_id)
-        else:
-            store.restore(before)
-    except (StateBudgetExceeded, OSError):
-        store.drop(job_id)      # the old entry cannot be written back: start fresh rather than drift
+    """A secure wrapper's contribution from a stateful handler (one that saves its c_k / v_k before
+    its result goes out): a device that then declines (its trained head beyond the round's |θ|
+    bound, a vector order it cannot follow) or fails sends nothing, so the job's entry goes back to
+    what it was (:meth:`DeviceStateKeeper.state_put_back_on_failure`, as for the plain kinds). A
+    handler that keeps no state passes."""
+    if not isinstance(training, DeviceStateKeeper):
+        return nullcontext()
+    return training.state_put_back_on_failure(params, kind)
 
 
 __all__ = ["SecureFedAvgTraining", "SecureScaffoldTraining"]

@@ -14,6 +14,7 @@ reports ``restarted`` as the first delivery did.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from protocols.payloads.partial import PersonalReport
 from protocols.payloads.stateful import StateBinding, StatefulHeadParams
 
 from ..agent import TaskDeclined
-from ..state import DeviceStateStore, StateBudgetExceeded, state_bytes
+from ..state import DeviceStateStore, StateBudgetExceeded, StateEntry, state_bytes
 from .extractors import ExtractorFactory
 from .task_inputs import check_global_head, check_local_labels, extractor_of_dim, local_samples
 from .params import read_params
@@ -62,6 +63,28 @@ class DeviceStateKeeper:
 
     store: DeviceStateStore | None
     kind = ""
+    params_type: type = StatefulHeadParams      # the kind's declared params (they name the job)
+
+    @contextmanager
+    def state_put_back_on_failure(self, params: dict[str, Any], kind: str | None = None):
+        """The task run, and its result built and encoded, within: the handler saves the round's
+        state before its result goes out, and a task that then sends nothing (declined, failed,
+        stopped past its deadline, its result too large to send, a secure wrapper's decline) puts the
+        job's entry back to what it was, so the server's state never counted a step the device
+        never sent (Scaffold's c = mean c_k stays true) and the next round starts where this one
+        did. The agent (edge_client/agent.py KeepsState) and the secure wrappers use it; ``kind``:
+        the wire kind named in a decline (default the handler's)."""
+        if self.store is None:
+            yield
+            return
+        job_id = read_params(self.params_type, params, kind or self.kind).job_id
+        before = self.store.load(job_id, None)
+        try:
+            yield
+        except BaseException:   # any failure sends nothing: a declined task, one whose result could not be built, or
+            # a BaseException of the application's (the agent declines it and goes on: message_loop.ENDS_THE_LOOP)
+            put_back(self.store, job_id, before)
+            raise                       # the decline, whatever the store did (as Java's putBack)
 
     def require_store(self) -> None:
         if self.store is None:
@@ -119,6 +142,17 @@ class DeviceStateKeeper:
             raise TaskDeclined(str(exc)) from exc
 
 
+def put_back(store: DeviceStateStore, job_id: str, before: StateEntry | None) -> None:
+    """The job's entry back to ``before`` (what ``store.load`` gave before the task; None: none)."""
+    try:
+        if before is None:
+            store.drop(job_id)
+        else:
+            store.restore(before)
+    except (StateBudgetExceeded, OSError):
+        store.drop(job_id)      # the old entry cannot be written back: start fresh rather than drift
+
+
 def _checked(arrays: dict[str, np.ndarray], prefix: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
     """The stored arrays ``prefix + name``, each finite float32 of its shape, or None."""
     value = {name: arrays.get(prefix + name) for name in shapes}
@@ -133,7 +167,6 @@ class StatefulHeadTask(DeviceStateKeeper):
     device keeps no state and declines)."""
 
     kind = ""
-    params_type: type[StatefulHeadParams] = StatefulHeadParams     # the kind's declared params
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, extractor_factory: ExtractorFactory,
                  store: DeviceStateStore | None, holdout_images: np.ndarray | None = None,

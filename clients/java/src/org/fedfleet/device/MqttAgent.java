@@ -398,16 +398,25 @@ public final class MqttAgent implements AutoCloseable {
             return;
         }
         TaskHandler.Result result;
+        // a stateful handler saves the job's next state before its result goes out: a task that then
+        // sends nothing puts it back, or the device's state runs a round ahead of the server's
+        Runnable[] putBack = {() -> { }};
         try {
-            result = untilRoundOver(w.task, () -> handler.run(w.task.params, w.tensors));
+            result = untilRoundOver(w.task, () -> {
+                putBack[0] = handler.stateRestorer(w.task.params);
+                return handler.run(w.task.params, w.tensors);
+            });
         } catch (WorkDeadline.PastDeadline e) {     // nobody waits for the answer any more: no result is sent
+            putBack[0].run();
             stopped(w.task.ref, e);
             return;
         } catch (TaskDeclined e) {
+            putBack[0].run();
             execute(session.onWorkFailed(w.task.ref, e.getMessage()));
             return;
         } catch (Throwable e) {
             if (endsTheLoop(e)) throw e;        // the agent's thread ends (guarded): no answer
+            putBack[0].run();
             // a handler bug (an Error too: an AssertionError, a class that failed to load), or a task
             // whose numbers a check missed outgrowing the heap, must not kill the agent: tell the
             // server (what the task allocated is garbage by now)
@@ -420,6 +429,7 @@ public final class MqttAgent implements AutoCloseable {
             message = Envelope.encode(Messages.result(deviceId, w.task.ref, w.task.kind, result.body, id, Messages.now()),
                     result.tensors, o.signer);
         } catch (EnvelopeError | OutOfMemoryError e) {      // as the Python agent's "result cannot be sent"
+            putBack[0].run();
             LOG.warning(deviceId + ": a " + w.task.kind + " result cannot be sent: " + e);
             execute(session.onWorkFailed(w.task.ref, "result cannot be sent: " + e));
             return;

@@ -162,9 +162,19 @@ public abstract class StatefulHeadTask implements TaskHandler {
         return store == null ? null : store.load(jobId, null, null, null);
     }
 
-    /** A secure wrapper declined after this handler saved the round's state: the job's entry goes back
-     *  to `before` (none: dropped), so the server's state never counted a step the device never sent
-     *  (Python: secure_fedavg_training.state_restored_on_decline). */
+    /** The plain task sends nothing after run saved the round's state (MqttAgent.work: declined, failed,
+     *  stopped, its result unsendable): the job's entry goes back to what it is now, as putBack. */
+    @Override
+    public final Runnable stateRestorer(Map<String, Object> params) throws TaskDeclined {
+        if (store == null) return () -> { };        // run declines: nothing saved
+        String job = jobOf(params);
+        DeviceStateStore.Entry before = stateBefore(job);
+        return () -> putBack(job, before);
+    }
+
+    /** A task (plain or a secure wrapper's) sent nothing after this handler saved the round's state: the
+     *  job's entry goes back to `before` (none: dropped), so the server's state never counted a step the
+     *  device never sent (Python: stateful_head.DeviceStateKeeper.state_put_back_on_failure). */
     final void putBack(String jobId, DeviceStateStore.Entry before) {
         if (store == null) return;
         try {

@@ -14,4 +14,10 @@ public interface TaskHandler {
     }
 
     Result run(Map<String, Object> params, List<Envelope.Tensor> tensors) throws TaskDeclined;
+
+    /** Taken before run: what puts the task's job state back if the task then sends nothing (its
+     *  handler or its result's encoding fails, it is stopped past its deadline). A handler that saves
+     *  per-job state before its result goes out (StatefulHeadTask) overrides it; the others keep none.
+     *  (Python: edge_client/agent.py KeepsState.) */
+    default Runnable stateRestorer(Map<String, Object> params) throws TaskDeclined { return () -> { }; }
 }
