@@ -225,6 +225,12 @@ def test_a_served_job_that_cannot_be_rebuilt_ends_as_a_restart_would_end_it(brok
         assert summary["state"] == JobState.CANCELLED and summary["error"] == row["summary"]["error"]
         assert store.job("c")["state"] == JobState.CANCELLED
         assert not any(m["final"] for m in store.models("c"))
+        # its record is complete, as a job cancelled after its round's close stores it: the counters
+        # and the compact summary (the returned one less its round log and history), the reason kept
+        # (the store was set cancelled before the end, and the end used to skip writing them)
+        record = store.job("c")
+        assert record["counters"] == a.stats.to_dict() and record["counters"]
+        assert record["summary"] == {k: v for k, v in summary.items() if k not in ("history", "rounds", "finished_at")}
         out = tmp_path / "out"
         saved = json.loads((out / "results.json").read_text())
         assert saved["state"] == "cancelled" and saved["error"] == row["summary"]["error"]

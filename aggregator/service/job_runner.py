@@ -541,11 +541,11 @@ class JobRunner:
             summary["error"] = failure
         summary["not_contributed"] = {d: self.fleet.why_missing(d, self.offline_grace_s)
                                       for d in sorted(self.fleet.seen - set(a.job.contributed))}
-        if row is not None and state in FINAL_JOB_STATES and row["state"] not in FINAL_JOB_STATES:
+        # once; one given up while cancelling was stored cancelled before its end, its record not yet. An
+        # interrupted job (timeout, SIGTERM) stays "running"/"paused"/"cancelling": the next start resumes it
+        if row is not None and state in FINAL_JOB_STATES and (row["state"] not in FINAL_JOB_STATES or a.record_only):
             compact = {k: v for k, v in summary.items() if k not in ("history", "rounds")}
             self.store.finish_job(a.job_id, state, compact, a.stats.to_dict(), end.model, end.evaluation, a.job.round)
-            # an interrupted job (timeout, SIGTERM) stays "running"/"paused"/"cancelling" in the store: the next
-            # start of the service resumes it, exactly as after a crash
         return summary
 
     def _tried_again(self) -> dict:
