@@ -34,9 +34,9 @@ def test_only_the_devices_own_clock_ahead_words_stop_its_draw(reason, stops):
     assert ahead.rounds == {"d": 3 if stops else 5}
 
 
-def serve(store: Store, tmp_path, job_id: str) -> tuple[ActiveJob, JobRunner, list]:
-    """A fedavg job (all four devices a round) on the store, its fleet online, its runner."""
-    cfg = {"job_id": job_id, "num_classes": 3, "feature_dim": 8, "clients_per_round": 4, "rounds": 3,
+def serve(store: Store, tmp_path, job_id: str, rounds: int = 3) -> tuple[ActiveJob, JobRunner, list]:
+    """A fedavg job of ``rounds`` (all four devices a round) on the store, its fleet online, its runner."""
+    cfg = {"job_id": job_id, "num_classes": 3, "feature_dim": 8, "clients_per_round": 4, "rounds": rounds,
            "expected_devices": 4, "round_timeout_s": 60}
     a = ActiveJob(build_job("fedavg", cfg), "fedavg", tmp_path / job_id)
     a.out_dir.mkdir(exist_ok=True)
@@ -86,3 +86,38 @@ def test_a_recorded_clock_ahead_decline_stops_the_devices_draw_for_the_rest_of_i
     assert drawn(nxt, next_runner) == sorted(DEVICES)
     next_runner.handle(nxt.current, Declined("ahead", EXPIRED_DECLINE, coord.tasks["ahead"]))
     assert not nxt.clock_ahead.rounds and nxt.current.is_pending("ahead")
+
+
+def test_an_operators_start_of_the_stopped_job_asks_the_clock_ahead_device_again(tmp_path):
+    """Starting a stopped job again (start or resume: queued again) is the moment to probe the
+    device again (the operator may have set its clock): only clock-ahead declines recorded since
+    count. A restart of the service (the job restored running) or a pause and resume keep the
+    exclusion; a decline after the start excludes it again, and that one survives a restart."""
+    from aggregator.service.job_lifecycle import control_job, take_up
+    from aggregator.storage.schema import JobState
+
+    store = Store(tmp_path / "agg.db")
+    a, runner, _ = serve(store, tmp_path, "j", rounds=9)          # stored running
+    assert drawn(a, runner) == sorted(DEVICES)
+    runner.handle(a.current, Declined("ahead", EXPIRED_DECLINE, a.current.tasks["ahead"]))
+    runner.handle(a.current, Tick(math.inf))
+    expected = sorted(set(DEVICES) - {"ahead"})
+    control_job(store, None, "j", "pause")                  # not served here: paused, then queued again
+    control_job(store, None, "j", "resume")
+    take_up(store, "j")                                     # the service picks the queued job up
+    assert serve(store, tmp_path, "j", rounds=9)[0].clock_ahead.rounds == {"ahead": 1}     # a pause is no new start
+
+    for action in ("start", "resume"):
+        store.set_job_state("j", JobState.STOPPED)          # stopped (given up, say), then started again
+        control_job(store, None, "j", action)
+        take_up(store, "j")
+        again, runner_again, fatal = serve(store, tmp_path, "j", rounds=9)
+        assert not again.clock_ahead.rounds and again.drawable(set(DEVICES)) == set(DEVICES)
+        assert drawn(again, runner_again) == sorted(DEVICES)           # asked again
+        coord = again.current
+        runner_again.handle(coord, Declined("ahead", EXPIRED_DECLINE, coord.tasks["ahead"]))     # still ahead
+        runner_again.handle(coord, Tick(math.inf))
+        assert drawn(again, runner_again) == expected and not fatal
+        restored = serve(store, tmp_path, "j", rounds=9)[0]             # a restart keeps this start's exclusion
+        assert restored.clock_ahead.rounds == {"ahead": coord.round}
+        runner_again.handle(again.current, Tick(math.inf))

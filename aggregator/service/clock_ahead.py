@@ -17,7 +17,10 @@ restarts, and skips the rest in silence), so every such probe would cost a round
 presence's signed ``ts`` proves nothing either (a replayed old one reads as a clock in sync). The
 next job is the probe that costs nothing: it draws the device again, and a clock still ahead
 declines its first task there at once. This job goes on with the rest of its fleet, as it does
-without a device that went offline.
+without a device that went offline. The same holds for an operator starting the job again once it
+stopped (``start`` / ``resume`` of a stopped job: the operator may have set the clocks meanwhile):
+only the declines recorded since then count (``recovery.open_stored``, the store's
+``restarted_at``); a restart of the service, or a pause and resume, keep the exclusion.
 
 Only a decline the round's machine recorded (``RecordDeclined``) counts: the device's own message
 (its sender the device its topic names, signed by that device's key where identities are required:

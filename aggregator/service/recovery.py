@@ -88,8 +88,9 @@ def restore_job(a: ActiveJob, row: dict, store: Store, checkpoints: bool) -> Non
     a.history = RecentLog(store.evaluations(a.job_id))
     # quarantined and forgotten devices are never asked again
     a.quarantined = {q["device"] for q in store.quarantined(a.job_id)} | set(store.forgotten(a.job_id))
-    # nor are those whose decline said their clock runs ahead (clock_ahead.py): their recorded declines
-    a.clock_ahead = ClockAhead(store.first_declines(a.job_id, CLOCK_AHEAD_DECLINES))
+    # nor are those whose decline said their clock runs ahead (clock_ahead.py): their declines recorded
+    # since an operator last started the stopped job again (the moment to ask them again)
+    a.clock_ahead = ClockAhead(store.first_declines(a.job_id, CLOCK_AHEAD_DECLINES, since=store.restarted_at(a.job_id)))
     if row["state"] in FINAL_JOB_STATES:
         a.final_state = row["state"]
     elif row["state"] == JobState.PAUSED:

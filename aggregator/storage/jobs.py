@@ -13,6 +13,9 @@ import numpy as np
 from aggregator.storage.connection import StoreConnection, StoreError
 from aggregator.storage.models import add_model_version
 from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, JobState
+from aggregator.storage.settings import read_setting, write_setting
+
+RESTARTED_AT_PREFIX = "restarted_at:"     # settings key: when an operator last queued the stopped job again
 
 
 class JobRepository(StoreConnection):
@@ -31,6 +34,9 @@ class JobRepository(StoreConnection):
             raise StoreError(f"unknown job state {state!r}")
         now = time.time()
         with self._tx() as db:
+            before = db.execute("SELECT state FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            if before is not None and before[0] == JobState.STOPPED and state == JobState.QUEUED:
+                write_setting(db, RESTARTED_AT_PREFIX + job_id, repr(now))      # with the state: both or neither
             cur = db.execute("UPDATE jobs SET state=?, updated_at=?, "
                              "started_at=CASE WHEN ?='running' AND started_at IS NULL THEN ? ELSE started_at END, "
                              "finished_at=CASE WHEN ? IN ('cancelled','done','failed','stopped') THEN ? ELSE finished_at END, "
@@ -41,6 +47,11 @@ class JobRepository(StoreConnection):
                               job_id))
             if cur.rowcount == 0:
                 raise StoreError(f"no job {job_id!r}")
+
+    def restarted_at(self, job_id: str) -> float:
+        """When the stopped job was last queued again (started or resumed by an operator); 0: never."""
+        value = read_setting(self.db, RESTARTED_AT_PREFIX + job_id)
+        return float(value) if value is not None else 0.0
 
     def finish_job(self, job_id: str, state: str, summary: dict, counters: dict,
                    final_model: dict[str, np.ndarray] | None, metrics: dict, round_: int) -> int | None:

@@ -103,12 +103,13 @@ class RoundRepository(StoreConnection):
     def round_count(self, job_id: str) -> int:
         return self.db.execute("SELECT COUNT(*) FROM rounds WHERE job_id=?", (job_id,)).fetchone()[0]
 
-    def first_declines(self, job_id: str, reasons: tuple[str, ...]) -> dict[str, int]:
-        """device -> the first round of the job it declined for one of ``reasons`` (whole words)."""
+    def first_declines(self, job_id: str, reasons: tuple[str, ...], since: float = 0.0) -> dict[str, int]:
+        """device -> the first round of the job it declined for one of ``reasons`` (whole words), of
+        the declines recorded at or after ``since`` (unix s)."""
         marks = ", ".join("?" * len(reasons))
         return {r["device"]: r["first"] for r in self.db.execute(
             f"SELECT device, MIN(round) AS first FROM round_events WHERE job_id=? AND event='declined' "
-            f"AND reason IN ({marks}) GROUP BY device", (job_id, *reasons))}
+            f"AND reason IN ({marks}) AND at>=? GROUP BY device", (job_id, *reasons, since))}
 
     def round_events(self, job_id: str, round_: int) -> list[dict]:
         return [dict(r) for r in self.db.execute(

@@ -1,5 +1,5 @@
 """Operator settings that outlive a process (``settings``: the fleet mode, each job's round-log
-path, the devices a job's fleet screen spares), as text under a key."""
+path, the devices a job's fleet screen spares, when a stopped job was started again), as text under a key."""
 
 from __future__ import annotations
 
