@@ -1,6 +1,6 @@
 """The Java device's MqttAgent turn by turn, behind tests/java_device/AgentTurns.java: ``AgentTurns``
 sends the bridge payloads signed by the aggregator (one a turn) and reads what each turn left.
-tests/test_java_secagg_leaving.py and tests/test_java_agent_errors.py use it."""
+tests/test_java_secagg_leaving.py, tests/test_java_agent_errors.py and tests/test_java_stateful.py use it."""
 
 from __future__ import annotations
 
