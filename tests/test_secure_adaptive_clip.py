@@ -27,7 +27,7 @@ from edge_client.tasks.secure_fedavg_training import SecureFedAvgTraining
 from protocols.payloads.secagg import SECURE_FEDAVG_KIND
 from protocols.rounds import RoundClosed
 from protocols.secagg import AggregateReady
-from protocols.secagg.distributed_dp import add_skellam_noise
+from protocols.secagg.distributed_dp import add_skellam_noise, noisy_bound
 from protocols.secagg.driver import run_round
 
 Z_DP, CLIP, KAPPA, QUANTILE, LR = 1.0, 0.5, 6, 0.5, 0.2
@@ -145,6 +145,28 @@ def test_a_forged_bit_entry_beyond_what_the_group_can_sum_is_discarded_and_c_kep
     # the honest sum of the same group is applied (the check does not refuse honest noise)
     job.group_summed(round_, total, survivors)
     assert job.round_step()[0] is not None and job.dp.clip.value != CLIP
+
+
+def test_a_forged_update_entry_is_held_to_cs_bound_however_wide_the_bit_entry():
+    """With σ_b just above z/2 the bit's scale s is large (s/2 ≈ 2.5 here, C = 0.5): the round's
+    fixed-point range takes it, but an update entry is still held to what |S| clipped updates and
+    their noise reach (max(C, 1) per member), not to s/2 — it was, and a member could move the
+    model by the difference."""
+    ids = [f"dev{i}" for i in range(KAPPA)]
+    identities, agg, registry = in_memory_keys(ids)
+    job = adaptive_job(ids, agg, registry, dp_count_stddev=0.51)
+    chosen = job.next_participants(set(ids))
+    total, survivors, dp, vectors = run_group(job, identities, agg, chosen, [0.01] * KAPPA)
+    assert dp["clip_bit_scale"] / 2 > 2 * max(CLIP, 1.0)
+    forged = total.copy()                     # one update entry past |S| members' reach, within |S|·s/2
+    forged[0] = len(survivors) * (noisy_bound(max(CLIP, 1.0), dp["stddev"]) + 0.5)
+    assert forged[0] < len(survivors) * noisy_bound(dp["clip_bit_scale"] / 2, dp["stddev"])
+    round_ = job.round
+    job.group_summed(round_, forged, survivors)
+    assert job.secure_failure(round_).startswith("group sum out of bound: a DP group of")
+    assert job.round_step() == (None, 0, 0) and job.dp.clip.value == CLIP
+    job.group_summed(round_, total, survivors)          # the honest sum of the same group is applied
+    assert job.round_step()[0] is not None
 
 
 D, C, N = 6, 3, 30

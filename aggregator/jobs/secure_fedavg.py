@@ -183,11 +183,12 @@ class SecureFedAvgJob(SecureGroupRounds, FedAvgJob):
 
     def _check_dp_group_sum(self, sums: dict[str, np.ndarray], n: int, survivors: tuple[str, ...]) -> None:
         """Under distributed DP (skipped before: one member could mask any ring element and move
-        the model by it): ``check_dp_group_sum`` at the round's per-entry bound."""
+        the model by it): ``check_dp_group_sum`` at the update's per-entry bound, C or 1 (the bit
+        entry, taken out and checked on its own, does not widen it: s/2 may pass both)."""
         round_dp = self._round_dp
         try:
             check_dp_group_sum(sums, n, len(survivors),
-                               noisy_bound(self._dp_data_bound(round_dp["clip_norm"], round_dp), round_dp["stddev"]))
+                               noisy_bound(self._dp_data_bound(round_dp["clip_norm"], {}), round_dp["stddev"]))
         except ValueError as exc:
             raise GroupSumOutOfBound(str(exc)) from None
 
