@@ -302,6 +302,8 @@ class DeviceAgent:
 
     def _go_online(self) -> None:
         with self._presence_lock:
+            if self.loop.stopping:      # stopped: a host's pump that ran as stop() did must not connect it again
+                return
             self.link.start()
             self.online = True
 

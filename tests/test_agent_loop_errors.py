@@ -247,6 +247,26 @@ def test_an_agent_ended_while_being_stopped_says_offline_once():
     assert agent.link.states == ["offline"] and not agent.online
 
 
+class StartCountingLink(SlowPublishLink):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+
+
+def test_a_pump_after_stop_leaves_the_agent_offline():
+    """A device host's thread may pump an agent just as the application stops it: that pump finds
+    the (always available) device offline and followed its availability back online, connected and
+    saying nothing; a stopped agent stays offline."""
+    agent = DeviceAgent("dev-late-pump", BrokerConfig(), {}, link_factory=StartCountingLink).start(own_thread=False)
+    assert agent.online and agent.link.starts == 1
+    agent.stop()
+    agent.pump()
+    assert not agent.online and agent.link.starts == 1 and agent.link.states == ["offline"]
+
+
 def test_a_hosted_agent_ended_by_a_system_exit_goes_offline_and_the_hosts_other_devices_go_on(broker, caplog):
     """As a threaded agent's (test_a_system_exit_on_the_agents_thread_ends_it_cleanly): a SystemExit
     in a hosted agent's pump was held, unseen, in the host's step future, the agent online and deaf."""
