@@ -8,8 +8,6 @@ import socket
 import subprocess
 import time
 
-import pytest
-
 from aggregator.storage.deployments import DeploymentStore
 from aggregator.storage.store import Store
 from edge_client.deployment import DeploymentFollower, ModelSlot

@@ -3,7 +3,6 @@ cache and the bundles jobs named, least recently used out first, what is in use 
 
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np

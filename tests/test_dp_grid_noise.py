@@ -12,13 +12,12 @@ import math
 from fractions import Fraction
 
 import numpy as np
-import pytest
 from scipy import stats
 
 from aggregator.strategies.dp_center import PrivateFeatureCenter
 from aggregator.strategies.dp_fed3r import CalibratedSSP, Fed3RSensitivity, NoisyFed3R, UniformGaussian
 from aggregator.strategies.dp_fedavg import AdaptiveClipNorm, ClippedGaussianSum, FixedClipNorm
-from aggregator.strategies.dp_noise import CryptographicNoise, SeededNoise, noise_source
+from aggregator.strategies.dp_noise import CryptographicNoise, SeededNoise
 from protocols.payloads.fed3r import Fed3RStats
 
 MARGIN = 2.0 ** -20

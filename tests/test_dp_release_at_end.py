@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from ops_fleet import Features, assert_noise_of_variance, clipped_sums
+from ops_fleet import assert_noise_of_variance, clipped_sums
 from test_dp_over_mqtt import C, D, capping_device, device_data, run_service
 
 from aggregator.compute.privacy import UNPUBLISHED_PREFIX
@@ -23,7 +23,6 @@ from aggregator.service.settings import ServiceSettings
 from aggregator.storage.store import Store
 from aggregator.strategies.dp_fed3r import CalibratedSSP, Fed3RSensitivity, NoisyFed3R
 from edge_client.agent import DeviceAgent
-from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from protocols.envelope import decode
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.fed3r import Fed3RStats

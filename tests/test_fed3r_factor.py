@@ -16,7 +16,7 @@ from aggregator.strategies.fed3r import Fed3R
 from edge_client.fed3r import Fed3RAccumulator
 from edge_client.tasks.fed3r_stats import encode_smallest
 from protocols.envelope import Envelope, EnvelopeError, decode, encode
-from protocols.payloads.fed3r import Fed3RStats, dense_values, encode_factor, encode_stats, factor_values, parse_stats, triu_unpack
+from protocols.payloads.fed3r import Fed3RStats, dense_values, encode_stats, factor_values, parse_stats, triu_unpack
 
 from test_fed3r_exactness import reference_ridge
 

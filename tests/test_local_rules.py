@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.jobs.fedavg import FedAvgConfig, FedAvgJob
+from aggregator.jobs.fedavg import FedAvgConfig
 from aggregator.jobs.registry import build_job
 from edge_client.agent import TaskDeclined
 from edge_client.tasks.head_training import HeadTrainingTask, LocalTraining, SessionStepper, _TorchHeadStepper, \

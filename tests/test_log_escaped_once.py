@@ -7,7 +7,6 @@ logging set-up (``log_to_stderr``)."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

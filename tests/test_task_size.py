@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import threading
 
-import numpy as np
 import pytest
 from starlette.testclient import TestClient
 

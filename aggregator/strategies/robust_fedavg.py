@@ -46,7 +46,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from aggregator.compute.privacy import UNPUBLISHED_PREFIX
 from aggregator.strategies.fedavg import WeightedMean
 from aggregator.strategies.small_round_reference import SmallRoundReference
 

@@ -19,10 +19,8 @@ from protocols.regular_file import open_regular
 from edge_client.runtime.errors import (
     ArtifactMissingError,
     ArtifactTamperedError,
-    ManifestError,
 )
 from protocols.bundle_manifest import (
-    MANIFEST_FILENAME,
     ArtifactSpec,
     Manifest,
     parse_manifest,
