@@ -3,9 +3,10 @@ row it cannot open and stays in the sum; a member whose rows all fail is named a
 one round; false, repeated or malformed accusations name nobody and change nothing."""
 
 import numpy as np
+import pytest
 
 from protocols.secagg import (AggregateReady, ClientState, EncryptedShares, MalformedMessage, Phase, ReplayedMessage,
-                              RoundConfig, RoundFailed, ServerState, UnexpectedMessage)
+                              RoundConfig, RoundFailed, ServerState, ShareAccusation, Timeout, UnexpectedMessage)
 from protocols.secagg.driver import make_identities, plain_fixed_point_sum, run_round
 
 from secagg_rounds import AGGREGATOR, BOUND, Round, corrupting, rejects, resign, wire
@@ -121,3 +122,45 @@ def test_a_bad_accusation_is_refused_and_changes_nothing():
     r.to_server([m for m in masked if m.sender == second])
     rejects(r.server, _accusation(r, second, first), UnexpectedMessage)        # after its masked input
     assert r.server.culprits == set()
+
+
+@pytest.mark.parametrize("graph", ["complete", "regular"])
+def test_an_accusation_from_a_member_outside_the_key_directory_is_refused(graph):
+    """A member that never advertised keys (so is in no neighbour graph) sends a validly signed
+    ShareAccusation while the masked phase is open: refused, nothing changes, and the round sums
+    the others. It used to look the member up in the graph first and raise KeyError, which the
+    aggregator does not catch (a traceback per message, from any enrolled member)."""
+    r = Round(n=8, graph=graph)
+    absent, honest = r.config.members[-1], r.config.members[0]
+    r.to_server([m for m in r.to_clients() if m.sender != absent])
+    r.to_server([Timeout(Phase.ADVERTISE_KEYS)])            # U1 without the absent member
+    r.step()                                                # the forwarded shares are out
+    assert r.server.state is ServerState.WAIT_MASKED
+    rejects(r.server, _accusation(r, absent, honest), UnexpectedMessage)
+    outcome = r.finish()
+    survivors = [d for d in r.config.members if d != absent]
+    assert isinstance(outcome, AggregateReady) and list(outcome.survivors) == survivors
+    assert np.array_equal(outcome.sum_words, r.expected_sum(survivors)) and r.server.culprits == set()
+
+
+def test_the_job_refuses_an_accusation_from_outside_the_key_directory_as_one_envelope_error():
+    """Through the aggregator's secure job (what the service calls for every secagg message): one
+    EnvelopeError, which the service logs as a refusal, and the round goes on."""
+    from protocols.envelope import EnvelopeError
+    from protocols.payloads.secagg import from_envelope, to_envelope
+    from test_secagg_upload_window import _answer, _group
+
+    job, clients, _ = _group(upload_window_bytes=2**30, n=6)
+    absent = sorted(clients)[-1]
+    sends = [(d, env) for d, env in job.on_protocol_tick(0.0) if d != absent]
+    directories = _answer(job, clients, sends)
+    directories += job.on_protocol_tick(10**6)              # the keys phase times out without it
+    forwarded = _answer(job, clients, [(d, e) for d, e in directories
+                                       if from_envelope(e).TYPE == "secagg.key_directory"])
+    assert job.secure.state is ServerState.WAIT_MASKED and forwarded
+    accusation = ShareAccusation(job_id="paced", round_id=job.secure.config.round_id,
+                                 group_id=job.secure.config.group_id, sender=absent, recipient="aggregator",
+                                 accused=(sorted(clients)[0],)).signed(clients[absent].identity)
+    with pytest.raises(EnvelopeError, match="UnexpectedMessage"):
+        job.on_protocol(absent, to_envelope(accusation), 1.0)
+    assert job.secure.state is ServerState.WAIT_MASKED

@@ -190,7 +190,8 @@ class ServerSecAgg:
         rows it was forwarded); counted when the phase closes."""
         accuser = accusation.sender
         awaited = accuser in self._expected(Phase.MASKED_INPUT) and accuser not in self._received[Phase.MASKED_INPUT]
-        forwarded = self._graph.neighbours(accuser) & set(self._received[Phase.SHARE_KEYS])
+        # only a member of U2 is in the graph: another's accusation is refused as not awaited
+        forwarded = self._graph.neighbours(accuser) & set(self._received[Phase.SHARE_KEYS]) if awaited else set()
         self._accusations.note(accusation, awaited, forwarded)
         return []
 
