@@ -18,7 +18,11 @@ keeps the digest of one member set, the set every sum of it may be over:
   that could reveal it is over a subset of those participants); with none kept yet, it leaves and
   the participants are kept (written before it leaves);
 * it answers the unmask phase only when the survivors are exactly the set kept, except in the
-  round that first sent it, where the survivors (a subset of the participants) become the set kept.
+  round that first sent it, where the survivors (a subset of the participants) become the set kept,
+  unless another round of the same input has sent its masked input on the set kept meanwhile (two
+  rounds at once, the aggregator's choice): that round may be revealed over the set, which is then
+  fixed, and a first round with fewer survivors is refused (else the two sums' difference is the
+  dropped members' inputs).
 
 So two revealed sums holding the same input are over the same members; when every honest member
 keeps the rule, the distinct sets sums are over are disjoint, and no difference isolates anyone.
@@ -111,6 +115,9 @@ class SecureInputLedger:
         self.path = None if path is None else Path(path)
         self._lock = threading.Lock()
         self._kept: dict[str, str] = {}      # input key -> member-set digest, oldest first
+        # keys whose set kept a round not the input's first sent its masked input on: fixed, its
+        # first round may no longer narrow it to its survivors (the other may be revealed over it)
+        self._relied: set[str] = set()
         self.lost: str | None = None
         if self.path is not None:
             self._load()
@@ -132,14 +139,17 @@ class SecureInputLedger:
             digest = member_digest(participants)
             if key not in self._kept:
                 return self._keep(key, digest), True
-            return (None if self._kept[key] == digest else OTHER_MEMBERS_REASON), False
+            if self._kept[key] != digest:
+                return OTHER_MEMBERS_REASON, False
+            self._relied.add(key)
+            return None, False
 
     def _unmask(self, key: str, survivors: frozenset[str], first: bool) -> str | None:
         with self._lock:
             if self.lost is not None and self._load() is not None:
                 return LOST_REASON
             digest = member_digest(survivors)
-            if first:                        # the set this round revealed it over is now known
+            if first and key not in self._relied:       # the set this round revealed it over is now known
                 return self._keep(key, digest)
             return None if self._kept.get(key) == digest else OTHER_MEMBERS_REASON
 
@@ -147,8 +157,11 @@ class SecureInputLedger:
         before = dict(self._kept)
         self._kept.pop(key, None)
         self._kept[key] = digest
+        self._relied.discard(key)                    # kept anew: no other round sent on this set yet
         while len(self._kept) > MAX_INPUTS:          # the oldest forgotten (module doc)
-            self._kept.pop(next(iter(self._kept)))
+            oldest = next(iter(self._kept))
+            del self._kept[oldest]
+            self._relied.discard(oldest)
         if self.path is None:
             return None
         try:

@@ -199,3 +199,77 @@ def test_the_ledger_is_kept_and_fails_closed(tmp_path):
     path.unlink()                                                    # moved aside: a fresh ledger
     assert damaged.reload() is None
     assert damaged.release("c" * 32).masked_input(frozenset("uvw")) is None
+
+
+class SteppedRound:
+    """One round of a real SecAgg server over ``devices``, a phase at a time, so that a test can
+    interleave two rounds; ``lost_masked``: members whose masked input the network loses (it left
+    the device, its ledger saw it go, the server never gets it)."""
+
+    def __init__(self, devices, members, job, round_id, lost_masked=()):
+        params = {**PARAMS, "group": "g"}
+        for device in members:
+            assert devices[device].on_task(job, round_id, params, {}) == []
+        config = RoundConfig.create(job_id=job, round_id=round_id, group_id="g", aggregator_id="aggregator",
+                                    members=members, vector_length=sync_vector_length(P, C),
+                                    bound=fed3r_bound(100, 3.0))
+        self.devices, self.lost_masked = devices, set(lost_masked)
+        self.server = ServerSecAgg(config, AGGREGATOR,
+                                   IdentityRegistry({d: IDENTITIES[d].public_key_bytes for d in members}))
+        self.outgoing = self.server.start()
+
+    def step(self):
+        phase, replies = self.server.phase, []
+        for message in self.outgoing:
+            if isinstance(message, Message):
+                for env in self.devices[message.recipient].on_message(to_envelope(message)):
+                    reply = from_envelope(env)
+                    if not (reply.TYPE == "secagg.masked_input" and reply.sender in self.lost_masked):
+                        replies.extend(self.server.handle(reply))
+        if self.server.phase == phase and self.server.state not in FINAL_STATES:
+            replies.extend(self.server.handle(Timeout(phase)))
+        self.outgoing = replies
+
+    def until(self, state=None):
+        """Phases run until the server waits in ``state`` (None: until the round is over)."""
+        while self.server.state is not state and self.server.state not in FINAL_STATES:
+            self.step()
+
+    def finish(self):
+        self.until()
+        outcome = self.server.outcome
+        return outcome.decode() if isinstance(outcome, AggregateReady) else None
+
+
+def test_two_rounds_of_one_input_at_once_are_revealed_over_one_member_set():
+    """Two jobs' rounds of the same statistics, interleaved by the aggregator. Round A's masked
+    inputs leave (its first: each device keeps U1), y's is lost on the way; round B's leave too (the
+    set kept), and B is unmasked over all four. Then A's survivors, u, v, w, used to become the set
+    kept (its first round's narrowing), and A's sum was revealed as well: B − A is y's exact
+    statistics. Once another round has sent its masked input on the set kept, it is fixed: A is refused."""
+    from protocols.secagg import ServerState
+    devices = fleet()
+    group = ["u", "v", "w", "y"]
+    a = SteppedRound(devices, group, "jobA", 1, lost_masked={"y"})
+    a.until(ServerState.WAIT_CONSISTENCY)                   # every masked input left; A's U3 = u, v, w
+    b = SteppedRound(devices, group, "jobB", 1)
+    total_b = b.finish()
+    np.testing.assert_allclose(unpack_sync_vector(total_b, P, C)[0],
+                               sum(reference_statistics(d)[0] for d in group), atol=1e-6)
+    total_a = a.finish()
+    if total_a is not None:                                  # the attack: y's statistics, exactly
+        a_upper, _, n = unpack_sync_vector(total_b - total_a, P, C)
+        np.testing.assert_allclose(a_upper, reference_statistics("y")[0], atol=1e-6)
+        assert n == N
+    assert total_a is None
+
+
+def test_a_first_rounds_survivors_become_the_set_kept_unless_another_round_relied_on_it():
+    ledger = SecureInputLedger()
+    first, second = ledger.release("a" * 32), ledger.release("a" * 32)
+    assert first.masked_input(frozenset("uvwy")) is None
+    assert second.masked_input(frozenset("uvwy")) is None          # on the set kept: it is fixed now
+    assert first.unmask(frozenset("uvw")) == OTHER_MEMBERS_REASON
+    assert second.unmask(frozenset("uvwy")) is None
+    alone = SecureInputLedger().release("b" * 32)                  # no other round: narrowed as before
+    assert alone.masked_input(frozenset("uvwy")) is None and alone.unmask(frozenset("uvw")) is None

@@ -5,6 +5,7 @@
 //                       refusal words and bounds: one canonical JSON line
 //   open <folder>       a ledger kept in <folder>/secure_inputs.json          -> OK
 //   release <key>       the release guard of one round carrying <key>           -> OK
+//   switch <n>          the n-th guard released (from 0) is the one asked next  -> OK
 //   masked <a,b,...>    its masked input, participants a, b, ...                -> OK | REFUSED <reason>
 //   unmask <a,b,...>    its unmask answer, survivors a, b, ...                  -> OK | REFUSED <reason>
 //   lost                why the ledger's file cannot be read                    -> LOST <why> | LOST none
@@ -24,13 +25,15 @@ public final class SecureInputSteps {
         PrintStream out = new PrintStream(System.out, true, "UTF-8");
         SecureInputLedger ledger = null;
         ReleaseGuard guard = null;
+        List<ReleaseGuard> released = new ArrayList<>();        // two rounds of one input at once
         for (String line; (line = in.readLine()) != null; ) {
             String[] w = line.trim().split(" ", 2);
             String arg = w.length > 1 ? w[1] : "";
             switch (w[0]) {
                 case "golden": out.println(new String(Json.canonical(golden(Paths.get(arg))), StandardCharsets.UTF_8)); break;
                 case "open": ledger = new SecureInputLedger(new File(arg, SecureInputLedger.NAME)); out.println("OK"); break;
-                case "release": guard = ledger.release(arg); out.println("OK"); break;
+                case "release": guard = ledger.release(arg); released.add(guard); out.println("OK"); break;
+                case "switch": guard = released.get(Integer.parseInt(arg)); out.println("OK"); break;
                 case "masked": out.println(answer(guard.maskedInput(members(arg)))); break;
                 case "unmask": out.println(answer(guard.unmask(members(arg)))); break;
                 case "lost": out.println("LOST " + (ledger.lost() == null ? "none" : ledger.lost())); break;

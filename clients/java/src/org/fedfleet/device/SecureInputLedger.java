@@ -7,7 +7,8 @@
 // ledger's digests") the device keeps one member-set digest (memberDigest). Its masked input leaves
 // only in a round whose key directory lists exactly that set (none kept yet: the participants U1 are
 // kept, written before it leaves); it answers the unmask phase only when the survivors U3 are exactly
-// the set kept, except in the round that first sent it, where U3 becomes the set kept. Otherwise the
+// the set kept, except in the round that first sent it, where U3 becomes the set kept (unless another
+// round of the input sent its masked input on the set kept meanwhile: the set is then fixed). Otherwise the
 // round is left (ClientSecAgg's ReleaseGuard: ReleaseRefused, OTHER_MEMBERS_REASON logged).
 //
 // Kept in the device's state folder (secure_inputs.json, {"inputs":[[key, member digest], ...]} oldest
@@ -33,6 +34,7 @@ import java.security.NoSuchAlgorithmException;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.Collections;
+import java.util.HashSet;
 import java.util.Iterator;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -62,6 +64,9 @@ public final class SecureInputLedger {
 
     private final File path;
     private LinkedHashMap<String, String> kept = new LinkedHashMap<>();     // input key -> member digest, oldest first
+    // keys whose set kept a round not the input's first sent its masked input on: fixed, its first
+    // round may no longer narrow it to its survivors (the other may be revealed over it; secure_inputs.py)
+    private final Set<String> relied = new HashSet<>();
     private String lost;
 
     /** path: where the inputs are kept (<state folder>/secure_inputs.json); null: in memory. */
@@ -143,7 +148,9 @@ public final class SecureInputLedger {
                     first = true;
                     return keep(key, digest);
                 }
-                return kept.get(key).equals(digest) ? null : OTHER_MEMBERS_REASON;
+                if (!kept.get(key).equals(digest)) return OTHER_MEMBERS_REASON;
+                relied.add(key);
+                return null;
             }
         }
 
@@ -152,7 +159,8 @@ public final class SecureInputLedger {
             synchronized (SecureInputLedger.this) {
                 if (lost != null && load() != null) return LOST_REASON;
                 String digest = memberDigest(survivors);
-                if (first) return keep(key, digest);     // the set this round revealed it over is now known
+                // the set this round revealed it over is now known, unless another round relied on it
+                if (first && !relied.contains(key)) return keep(key, digest);
                 return digest.equals(kept.get(key)) ? null : OTHER_MEMBERS_REASON;
             }
         }
@@ -163,8 +171,9 @@ public final class SecureInputLedger {
         kept = new LinkedHashMap<>(before);
         kept.remove(key);
         kept.put(key, digest);
+        relied.remove(key);                      // kept anew: no other round sent on this set yet
         for (Iterator<String> oldest = kept.keySet().iterator(); kept.size() > MAX_INPUTS; ) {
-            oldest.next();
+            relied.remove(oldest.next());
             oldest.remove();
         }
         if (path == null) return null;
