@@ -57,6 +57,25 @@ def is_weak_public_key(public_key: bytes) -> bool:
     return masked in _SMALL_ORDER
 
 
+_P = 2 ** 255 - 19
+_D = -121665 * pow(121666, -1, _P) % _P          # the curve's d
+
+
+def check_curve_point(public_key: bytes) -> None:
+    """ValueError unless a 32-byte Ed25519 key decodes to a curve point (RFC 8032 5.1.3: y below p,
+    and (y^2 - 1) / (d y^2 + 1) a square, x = 0 with its sign bit clear). OpenSSL loads any 32
+    bytes and only fails every verification under such a key, so a key mistyped by one hex digit
+    (half of them are no point) was enrolled and each message of its device refused as badly
+    signed. Checked where a key is enrolled, not on each verification (two modular powers)."""
+    y = int.from_bytes(bytes(public_key), "little") & ((1 << 255) - 1)
+    x_sign = public_key[31] >> 7
+    if y >= _P:
+        raise ValueError("not an Ed25519 public key: its y is not below the field's prime (not canonical)")
+    x2 = (y * y - 1) * pow(_D * y * y + 1, -1, _P) % _P
+    if (x2 == 0 and x_sign) or (x2 != 0 and pow(x2, (_P - 1) // 2, _P) != 1):
+        raise ValueError("not an Ed25519 public key: no point of the curve (a mistyped key?)")
+
+
 def _load_public_key(public_key: bytes) -> Ed25519PublicKey:
     if not isinstance(public_key, (bytes, bytearray)) or len(public_key) != PUBLIC_KEY_BYTES:
         raise ValueError(f"an Ed25519 public key is {PUBLIC_KEY_BYTES} raw bytes")

@@ -56,3 +56,40 @@ def test_an_ordinary_key_is_enrolled(tmp_path):
     assert not is_weak_public_key(key)
     creds = Enrollment(Store(tmp_path / "state.db")).enroll("dev01", key)
     assert creds.public_key == key.hex()
+
+
+# y = 2 and y = 7 have no x on the curve (x^2 = (y^2-1)/(d y^2+1) is no square mod p); the last is
+# an ordinary key with one hex digit mistyped, and p + 2 is y = 2 written past the field (RFC 8032
+# 5.1.3 refuses y >= p). OpenSSL loads any 32 bytes and only fails each verification, so such a key
+# was enrolled (201) and every message of its device was refused as a bad signature.
+NOT_A_POINT = ["02" + "00" * 31, "07" + "00" * 31, "ef" + "ff" * 30 + "7f",
+               "075a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"]
+
+
+def test_a_mistyped_key_in_the_list_is_no_curve_point():
+    """The independent check: a key's y on the curve has an x (Euler's criterion on x^2, computed
+    here in full); the typo case is the RFC 8032 test key 1 with its first digit changed."""
+    p = 2 ** 255 - 19
+    d = -121665 * pow(121666, -1, p) % p
+    rfc_key_1 = "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"
+    assert NOT_A_POINT[3][1:] == rfc_key_1[1:]
+    for key_hex in NOT_A_POINT:
+        y = int.from_bytes(bytes.fromhex(key_hex), "little") & ((1 << 255) - 1)
+        x2 = (y * y - 1) * pow(d * y * y + 1, -1, p) % p
+        assert y >= p or (x2 != 0 and pow(x2, (p - 1) // 2, p) != 1), key_hex
+
+
+@pytest.mark.parametrize("key_hex", NOT_A_POINT)
+def test_a_key_that_is_no_curve_point_is_refused_at_enrolment(key_hex, tmp_path):
+    key = bytes.fromhex(key_hex)
+    enrollment = Enrollment(Store(tmp_path / "state.db"))
+    with pytest.raises(ValueError, match="not an Ed25519 public key"):
+        enrollment.enroll("dev01", key)
+    assert enrollment.store.device("dev01") is None        # nothing stored
+
+
+def test_generated_keys_are_curve_points_and_enrolled(tmp_path):
+    enrollment = Enrollment(Store(tmp_path / "state.db"))
+    for i in range(64):
+        key = DeviceIdentity.generate(f"dev{i:02d}").public_key_bytes
+        assert enrollment.enroll(f"dev{i:02d}", key).public_key == key.hex()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.identity import DeviceIdentity, IdentityRegistry, check_curve_point
 from protocols.topics import AGGREGATOR_ID, check_device_id
 
 from aggregator.security.broker import BrokerSecurity, hash_password, new_password
@@ -58,6 +58,9 @@ class Enrollment:
             identity = DeviceIdentity.generate(device_id)
             public_key, private_pem = identity.public_key_bytes, identity.to_pem().decode()
         IdentityRegistry({device_id: public_key})          # validates the key (32-byte Ed25519)
+        # a curve point only here, where a key is enrolled: one stored by an earlier version is
+        # loaded at a restart as before (its device refused, the service up)
+        check_curve_point(public_key)
         password = new_password()
         self.store.enroll_device(device_id, bytes(public_key), hash_password(password))
         warning = self._sync_broker()
