@@ -94,3 +94,28 @@ def test_the_dashboards_poll_reads_only_the_rounds_it_shows(long_job, monkeypatc
     page, page_read = reads("/api/jobs/long/rounds?last=15")
     assert len(page) == 15
     assert page_read == {"rounds": 15, "contributions": 2 * 14 + 1}
+
+
+@pytest.mark.parametrize("round_no", [1, CLOSED // 2, CLOSED + 1])
+def test_one_rounds_detail_reads_only_that_round(long_job, monkeypatch, round_no):
+    """``/api/jobs/{id}/rounds/{n}`` (``fedfleet admin round JOB N``) is the whole listing's round n,
+    read alone: it built the view of every round of the job, every contribution of it read, to keep
+    one (a review's finding: a long job's one-round question cost what its whole history does)."""
+    whole = long_job.get("/api/jobs/long/rounds", headers=AUTH).json()
+    read = {"rounds": 0, "contributions": 0}
+
+    def counted(cls, what):
+        def build(*args):
+            read[what] += 1
+            return cls(*args)
+        return build
+
+    monkeypatch.setattr(rounds_module, "StoredRound", counted(rounds_module.StoredRound, "rounds"))
+    monkeypatch.setattr(contributions_module, "StoredContribution",
+                        counted(contributions_module.StoredContribution, "contributions"))
+    resp = long_job.get(f"/api/jobs/long/rounds/{round_no}", headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == whole[round_no - 1]
+    assert read == {"rounds": 1, "contributions": len(whole[round_no - 1]["accepted"])}
+    missing = long_job.get(f"/api/jobs/long/rounds/{CLOSED + 2}", headers=AUTH)
+    assert missing.status_code == 404 and f"no round {CLOSED + 2}" in missing.text

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from aggregator.jobs.registry import full_config
 from aggregator.storage.round_log import SETTING_PREFIX, read_from
+from aggregator.storage.rounds import StoredRound
 from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
 from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
@@ -66,15 +67,15 @@ def add_job_routes(app: FastAPI, ctx: ApiContext) -> None:
          description="the job's rounds in order; ``last``: only the last that many (the dashboard's page)")
     def rounds(job_id: str = JobId, last: int | None = Query(default=None, ge=1, le=MAX_ID)) -> list[dict]:
         ctx.job(job_id)
-        return round_views(store, job_id, ctx.live(), last)
+        return round_views(store, job_id, ctx.live(), store.rounds(job_id, last))
 
     @get("/api/jobs/{job_id}/rounds/{round_no}", response_model=Round, responses=ONE)
     def round_detail(job_id: str = JobId, round_no: int = Path(ge=1, le=MAX_ID)) -> dict:
         ctx.job(job_id)
-        found = [x for x in round_views(store, job_id, ctx.live()) if x["round"] == round_no]
-        if not found:
+        stored = store.round_of(job_id, round_no)         # that round alone, not the job's every round
+        if stored is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id!r} has no round {round_no}")
-        return found[0]
+        return round_views(store, job_id, ctx.live(), stored=[stored])[0]
 
     @get("/api/jobs/{job_id}/evaluations", response_model=list[dict[str, Any]],
            description="provisional-model evaluations in order (accuracy curve)", responses=ONE)
@@ -127,14 +128,16 @@ def add_model_routes(app: FastAPI, ctx: ApiContext) -> None:
 
 
 
-def round_views(store: Store, job_id: str, live: dict, last: int | None = None) -> list[dict]:
-    """Every round of a job (``last``: its last that many) as the API shows it: closed rounds as the
+def round_views(store: Store, job_id: str, live: dict, stored: list[StoredRound]) -> list[dict]:
+    """The job's ``stored`` rounds (consecutive, in order) as the API shows them: closed rounds as the
     round machine reported them, the open round from the live round machine (or, service down, from
     the durable records)."""
-    stored = store.rounds(job_id, last)
     received: dict[int, dict[str, float]] = {}
-    # only the contributions of the rounds shown (a page's first round on)
-    for c in store.contributions(job_id, with_payload=False, after_round=stored[0].round - 1 if stored else 0):
+    if not stored:
+        return []
+    # only the contributions of the rounds shown (a page's first round to its last)
+    for c in store.contributions(job_id, with_payload=False, after_round=stored[0].round - 1,
+                                 through_round=stored[-1].round):
         received.setdefault(c.round, {})[c.device] = c.received_at
     current = (live.get("job") or {}).get("current_round") if (live.get("job") or {}).get("job_id") == job_id else None
     out = []

@@ -88,13 +88,16 @@ class ContributionRepository(StoreConnection):
                                (job_id, message_id)).fetchone() is not None
 
     def contributions(self, job_id: str, with_payload: bool = True, canonical: bool = False,
-                      after_round: int = 0) -> Iterator[StoredContribution]:
-        """Accepted contributions of rounds > ``after_round``, streamed by round, in commit order within
-        a round (or by device id then round: ``canonical``). Round order is commit order for jobs with
-        one open round at a time; an asynchronous job's one-device rounds close out of order."""
+                      after_round: int = 0, through_round: int | None = None) -> Iterator[StoredContribution]:
+        """Accepted contributions of rounds > ``after_round`` (and <= ``through_round``), streamed by
+        round, in commit order within a round (or by device id then round: ``canonical``). Round order
+        is commit order for jobs with one open round at a time; an asynchronous job's one-device rounds
+        close out of order."""
         order = "device, round" if canonical else "round, seq"
+        upto, bound = ("", ()) if through_round is None else (" AND round<=?", (through_round,))
         for r in self.db.execute("SELECT seq, job_id, round, device, message_id, payload_bytes, received_at FROM "
-                                 f"contributions WHERE job_id=? AND round>? ORDER BY {order}", (job_id, after_round)):
+                                 f"contributions WHERE job_id=? AND round>?{upto} ORDER BY {order}",
+                                 (job_id, after_round, *bound)):
             payload = self._payload(r[0], r[5], job_id) if with_payload else b""
             yield StoredContribution(r[0], r[1], r[2], r[3], r[4], payload, r[6])
 

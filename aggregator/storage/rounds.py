@@ -95,10 +95,12 @@ class RoundRepository(StoreConnection):
         rows = self.db.execute("SELECT * FROM rounds WHERE job_id=? ORDER BY round", (job_id,)) if newest is None \
             else reversed(self.db.execute("SELECT * FROM rounds WHERE job_id=? ORDER BY round DESC LIMIT ?",
                                           (job_id, newest)).fetchall())
-        return [StoredRound(r["job_id"], r["round"], r["state"], tuple(json.loads(r["participants"])),
-                            json.loads(r["tasks"]), json.loads(r["bookkeeping"]), r["opened_at"], r["deadline"],
-                            r["closed_at"], json.loads(r["outcome"]) if r["outcome"] else None, r["bytes_in"])
-                for r in rows]
+        return [_stored_round(r) for r in rows]
+
+    def round_of(self, job_id: str, round_: int) -> StoredRound | None:
+        """One round of the job (None if it has none of that number), read alone."""
+        row = self.db.execute("SELECT * FROM rounds WHERE job_id=? AND round=?", (job_id, round_)).fetchone()
+        return None if row is None else _stored_round(row)
 
     def round_count(self, job_id: str) -> int:
         return self.db.execute("SELECT COUNT(*) FROM rounds WHERE job_id=?", (job_id,)).fetchone()[0]
@@ -120,3 +122,9 @@ class RoundRepository(StoreConnection):
 def _write_checkpoint(db, job_id: str, replay_after: int, state: dict[str, np.ndarray], contributed: dict) -> None:
     db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
                (job_id, replay_after, npz_bytes(state), json.dumps(contributed), time.time()))
+
+
+def _stored_round(r) -> StoredRound:
+    return StoredRound(r["job_id"], r["round"], r["state"], tuple(json.loads(r["participants"])),
+                       json.loads(r["tasks"]), json.loads(r["bookkeeping"]), r["opened_at"], r["deadline"],
+                       r["closed_at"], json.loads(r["outcome"]) if r["outcome"] else None, r["bytes_in"])
