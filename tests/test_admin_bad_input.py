@@ -396,6 +396,8 @@ def test_a_job_started_from_a_fed3r_object_needs_no_head_file():
     ('["dev1"]', "expected an object"),                            # before: AttributeError (a traceback)
     ('{"dev1": 7}', "expected an object"),
     ('{"dev1": "not hex"}', "non-hexadecimal"),
+    # RFC 8032's test key 1 with its first digit mistyped: no curve point, every message refused as forged
+    ('{"dev1": "075a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"}', "no point of the curve"),
     ("[" * 100_000, "recursion"),
 ])
 def test_a_bad_device_keys_file_is_one_error_naming_it(tmp_path, text, why):

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from protocols.envelope import object_without_duplicates
-from protocols.identity import DeviceIdentity, IdentityRegistry
+from protocols.identity import DeviceIdentity, IdentityRegistry, check_curve_point
 from protocols.secagg.config import GRAPHS, MAX_GROUP_SIZE, threshold_at_least
 from protocols.secagg.fixedpoint import RING_BITS, RINGS
 from protocols.topics import AGGREGATOR_ID
@@ -90,7 +90,13 @@ class SecureAggregationFields(JobConfig):
             keys = json.loads(text, object_pairs_hook=object_without_duplicates)
             if not isinstance(keys, dict) or not all(isinstance(k, str) for k in keys.values()):
                 raise ValueError("expected an object of device id -> hex public key")
-            return identity, IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
+            registry = IdentityRegistry({d: bytes.fromhex(k) for d, k in keys.items()})
+            for device in registry:          # a mistyped key: refused here, not each of its device's messages
+                try:
+                    check_curve_point(registry.public_key(device))
+                except ValueError as exc:
+                    raise ValueError(f"{device!r}: {exc}") from None
+            return identity, registry
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(f"device_keys_file {self.device_keys_file}: {exc}") from None
 
