@@ -8,7 +8,8 @@ has its own topics, ``protocols/payloads/deployment.py``), with one active deplo
   and feeds the machine the reports of that stage's devices. It looks at every device of the fleet
   only when the deployments or the stage changed; else at the devices that changed since the last
   tick (enrolled, revoked, tagged: ``FleetView``; sent an assignment; reported), as every other
-  device's answer is the one it had then: nothing to send;
+  device's answer is the one it had then: nothing to send. A stage with too few reports halfway
+  through its patience has its devices that never reported sent their run again, once;
 * it answers head fetches (``artifact.get`` on a device's deploy outbox) with the head's bytes;
 * it stores each report, each assignment sent and each state change (``DeploymentStore``) before
   acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing (each
@@ -114,6 +115,7 @@ class DeploymentController(LinkWorker):
         self._dirty: set[str] = set()
         self._members: set[str] = set()
         self._reporting: set[str] = set()
+        self._asked_again: tuple[str, int] | None = None     # (deployment, stage) whose silent devices were asked again
         # its own account when the broker has them (BrokerConfig.for_role): one MQTT identity per connection
         broker = broker.for_role(CONTROLLER_ROLE)
         self.link = MqttLink(client_id or broker.username or AGGREGATOR_ID + ".deployments", broker, on_message=self._post,
@@ -289,7 +291,27 @@ class DeploymentController(LinkWorker):
         self._planned = plan
         if active is not None:
             reports = {d: report_of(active.sent[d]["report"]) for d in self._reporting}
-            self._apply(active, active.dep.handle(Tick(now, reports, self._weight_caps(reports))))
+            tick = Tick(now, reports, self._weight_caps(reports))
+            self._ask_silent_again(active, tick)
+            self._apply(active, active.dep.handle(tick))
+
+    def _ask_silent_again(self, active: Served, tick: Tick) -> None:
+        """Once per stage, when it still has too few reports halfway through its patience: its devices
+        sent the run that never reported are sent it again, under a new sequence, which a device
+        running the head judges and reports (the first half: time for the first ask's answer; the
+        second: for this one's). A device's report is lost when its process ends between the swap
+        (durable) and the report leaving; the device then runs the candidate under that assignment's
+        sequence, takes the retained copy as a re-delivery and sends nothing, and the stage rolled
+        back for too few reports from devices that could give them (a review's finding)."""
+        dep = active.dep
+        if self._asked_again == (dep.deployment_id, dep.stage) or not dep.half_patience_spent(tick):
+            return
+        self._asked_again = (dep.deployment_id, dep.stage)
+        silent = sorted(d for d in self._members if active.has_run(d) and active.sent[d]["report"] is None)
+        if silent:
+            log.info("deployment %s: stage %d has too few reports halfway through its patience: asking %d silent "
+                     "device(s) again", dep.deployment_id, dep.stage, len(silent))
+            self._send_run(active, silent)
 
     def _update_members(self, active: Served, fleet: dict[str, tuple[str, ...]], devices: set[str] | None) -> None:
         """The active stage's members (``CohortRule.stage``): of the whole fleet, or ``devices``'

@@ -158,6 +158,11 @@ class Deployment:
     def _guard_fails(self, tick: Tick) -> bool:
         return bool(self.guard.failures(self._metrics(tick)))
 
+    def half_patience_spent(self, tick: Tick) -> bool:
+        """Whether ``tick`` finds too few reports and half the patience after the bake time spent, the
+        other half not (the table's row that waits for reports fires)."""
+        return self._patient(tick) and tick.now - self.stage_started_at >= self.bake_s + self.patience_s / 2
+
     def _stages_left(self, _ev) -> bool:
         return not self.last_stage
 
