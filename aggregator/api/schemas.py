@@ -99,7 +99,8 @@ class EnrollRequest(BaseModel):
     # a device id never "." or "..": enrolled, no client could reach it in a path (a review's finding)
     device_id: str = Field(pattern=JOB_ID_PATTERN)
     public_key: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$",
-                                   description="raw Ed25519 public key, hex; omit to have one generated")
+                                   description="raw Ed25519 public key, hex (a point of the curve: else 422); omit to have one "
+                                               "generated")
 
 
 class Credentials(BaseModel):
