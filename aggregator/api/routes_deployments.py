@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from aggregator.api.context import ApiContext
 from aggregator.api.schemas import JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE
+from aggregator.deployments.cohort import parse_stages
 from aggregator.deployments.controller import deployment_view
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS
 from aggregator.deployments.machine import DeploymentState
@@ -38,7 +39,8 @@ class DeploymentCreate(BaseModel):
                         description="the canary: a seeded fraction (5%), tags:a,b (the tags the operator gave devices) "
                                     "or devices:id1,id2")
     stages: str = Field(default="100%", max_length=200, description="widening fractions after the canary, "
-                                                                     "ending at 100% (e.g. 25%,100%)")
+                                                                     "each wider than the one before, ending at 100% "
+                                                                     "(e.g. 25%,100%)")
     guard: str = Field(default=DEFAULT_GUARD, max_length=500,
                        description="METRIC OP NUMBER[,...] over reports, METRIC one of reports, refused, "
                                    "median_drop (the median device's accuracy drop, robust to liars), "
@@ -132,6 +134,10 @@ def add_deployment_routes(app: FastAPI, ctx: ApiContext) -> None:
     def deploy(req: DeploymentCreate, model_id: int = Path(ge=1, le=MAX_ID)) -> dict:
         if ctx.store.model(model_id) is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no model {model_id}")
+        try:
+            parse_stages(req.stages)        # refused here too: a read-only API's 409 would hide why
+        except ValueError as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, str(exc)) from None
         c = ctx.deployments
         return ctx.deploy_action(lambda: c.deploy(model_id, **req.model_dump()))
 

@@ -36,6 +36,17 @@ def parse_percent(text: str) -> float:
     return value
 
 
+
+def parse_stages(text: str) -> tuple[float, ...]:
+    """``25%,100%`` -> (0.25, 1.0): a deployment's stages as requested, each wider than the last and
+    the last 100 %. A stage no wider than the one before reaches no new device (``Deployment`` itself
+    takes equal stages: one stored that way must still load)."""
+    fractions = tuple(parse_percent(s) for s in str(text).split(",") if s.strip())
+    if not fractions or fractions[-1] != 1.0 or any(a >= b for a, b in zip(fractions, fractions[1:])):
+        raise ValueError(f"stages {text!r}: increasing fractions in (0, 1] ending at 1.0 (100 %), "
+                         "each wider than the one before")
+    return fractions
+
 @dataclass(frozen=True)
 class CohortRule:
     kind: str                      # fraction | tags | devices

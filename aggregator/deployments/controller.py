@@ -43,7 +43,7 @@ from protocols.payloads import deployment as D
 from protocols.payloads.artifacts import GET as ARTIFACT_GET, artifact_message, parse_get
 from protocols.topics import AGGREGATOR_ID, CONTROLLER_ROLE, Topics
 
-from aggregator.deployments.cohort import CohortRule, parse_percent
+from aggregator.deployments.cohort import CohortRule, parse_stages
 from aggregator.deployments.fleet_view import FleetView
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS, DeviceReport, Guard
 from aggregator.jobs.config_limits import JOB_ID_RE
@@ -210,7 +210,7 @@ class DeploymentController(LinkWorker):
             raise ValueError(f"deployment id {deployment_id!r}: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
         if self.table.get(deployment_id) is not None:
             raise StoreError(f"deployment {deployment_id!r} already exists")
-        fractions = tuple(parse_percent(s) for s in str(stages).split(",") if s.strip())
+        fractions = parse_stages(stages)
         dep = Deployment(deployment_id, model_id, hashlib.sha256(head).hexdigest(), CohortRule.parse(cohort, seed),
                          fractions, Guard.parse(guard), float(bake_s), int(min_reports), float(patience_s),
                          self.settled.dep.model_id if self.settled else None)

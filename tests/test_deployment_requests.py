@@ -1,0 +1,29 @@
+"""What POST /api/models/{id}/deploy accepts, through the API and a real deployment controller over
+mosquitto: stages must widen at every step (a review found "100%,100%" deployed with 201, though
+the refusal of other stages says they must be increasing), and the default deployment id is unique
+even for deploys of one model within one second (it was m<model>-<unix time>: the second a 409)."""
+
+from starlette.testclient import TestClient
+
+from aggregator.api.app import create_app
+from aggregator.storage.deployments import DeploymentStore
+from deployment_fleet import model_id
+from deployment_fleet import setup, world  # noqa: F401 (fixtures)
+
+TOKEN = "deploy-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CANARY = {"cohort": "devices:cam-0", "bake_s": 3600}
+
+
+def test_stages_that_do_not_widen_are_one_422_and_deploy_nothing(setup, world):
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    client = TestClient(create_app(store, TOKEN, None, controller()))
+    for stages in ("100%,100%", "50%,50%,100%", "60%,40%,100%", "0.5,50%,100%"):
+        r = client.post(f"/api/models/{good}/deploy", headers=AUTH, json={**CANARY, "stages": stages})
+        assert r.status_code == 422, (stages, r.text)
+        assert "increasing" in r.json()["detail"] and stages in r.json()["detail"], r.text
+    assert DeploymentStore(store).list() == []                  # nothing deployed, nothing stored
+    ok = client.post(f"/api/models/{good}/deploy", headers=AUTH, json={**CANARY, "stages": "50%,100%"})
+    assert ok.status_code == 201 and ok.json()["stages"] == [0.5, 1.0]
+
