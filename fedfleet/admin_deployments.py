@@ -38,7 +38,7 @@ def add_deploy_arguments(parser) -> None:
                                                                              "the stage")
     parser.add_argument("--patience", default="10m", help="deploy: after the bake time, how long to wait for "
                                                          "--min-reports")
-    parser.add_argument("--deployment-id", default="", help="deploy: its id (default m<ID>-<unix time>)")
+    parser.add_argument("--deployment-id", default="", help="deploy: its id (default m<ID>-<unix time>, -2, -3, ... added if taken)")
 
 
 def add_deployment_parsers(add) -> None:

@@ -3,6 +3,8 @@ mosquitto: stages must widen at every step (a review found "100%,100%" deployed 
 the refusal of other stages says they must be increasing), and the default deployment id is unique
 even for deploys of one model within one second (it was m<model>-<unix time>: the second a 409)."""
 
+import time
+
 from starlette.testclient import TestClient
 
 from aggregator.api.app import create_app
@@ -27,3 +29,25 @@ def test_stages_that_do_not_widen_are_one_422_and_deploy_nothing(setup, world):
     ok = client.post(f"/api/models/{good}/deploy", headers=AUTH, json={**CANARY, "stages": "50%,100%"})
     assert ok.status_code == 201 and ok.json()["stages"] == [0.5, 1.0]
 
+
+def test_default_ids_of_deploys_within_one_second_differ(setup, world):
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    client = TestClient(create_app(store, TOKEN, None, controller()))
+
+    def deploy_and_roll_back(**body) -> str:
+        r = client.post(f"/api/models/{good}/deploy", headers=AUTH, json={**CANARY, **body})
+        assert r.status_code == 201, r.text
+        dep = r.json()["deployment_id"]
+        assert client.post(f"/api/deployments/{dep}/rollback", headers=AUTH, json={}).status_code == 200
+        return dep
+
+    # the default id the old rule gives for each of the next few seconds is already taken (by name)
+    now = int(time.time())
+    named = [deploy_and_roll_back(deployment_id=f"m{good}-{s}") for s in range(now, now + 4)]
+    assert named == [f"m{good}-{s}" for s in range(now, now + 4)]          # a name given is kept as given
+    defaults = [deploy_and_roll_back(), deploy_and_roll_back()]
+    assert time.time() < now + 4, "too slow to test within the seconds taken"
+    assert len(set(defaults + named)) == 6 and all(d.startswith(f"m{good}-") for d in defaults)
+    again = client.post(f"/api/models/{good}/deploy", headers=AUTH, json={**CANARY, "deployment_id": named[0]})
+    assert again.status_code == 409 and "already exists" in again.json()["detail"]

@@ -34,7 +34,8 @@ class DeploymentCreate(BaseModel):
     # strict, as a job's config: true is no min_reports of 1, "3" no 3, and a misspelt field no default
     model_config = ConfigDict(strict=True, extra="forbid")
     deployment_id: str = Field(default="", pattern=f"^$|{DEPLOYMENT_ID}",
-                               description="default: m<model id>-<unix time>")
+                               description="default: m<model id>-<unix time>, with -2, -3, ... added when "
+                                           "a deployment has that id")
     cohort: str = Field(default="5%", max_length=4096,
                         description="the canary: a seeded fraction (5%), tags:a,b (the tags the operator gave devices) "
                                     "or devices:id1,id2")

@@ -205,7 +205,8 @@ class DeploymentController(LinkWorker):
                              "promote it to the end or roll it back first")
         head = self._head_bytes(model_id)
         self._check_devices_take(model_id, head)
-        deployment_id = deployment_id or f"m{model_id}-{int(time.time())}"
+        # a second default of one model within a second: the next free m<model>-<second>-<n>
+        deployment_id = deployment_id or self.table.unused_id(f"m{model_id}-{int(time.time())}")
         if not _ID.fullmatch(deployment_id):
             raise ValueError(f"deployment id {deployment_id!r}: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
         if self.table.get(deployment_id) is not None:

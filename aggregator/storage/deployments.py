@@ -32,6 +32,13 @@ class DeploymentStore:
         r = self.store.db.execute("SELECT * FROM deployments WHERE deployment_id=?", (deployment_id,)).fetchone()
         return _row(r) if r else None
 
+    def unused_id(self, base: str) -> str:
+        """``base`` if no deployment has that id, else the first of ``base-2``, ``base-3``, ... none has."""
+        # base is m<model id>-<second>: no LIKE wildcard in it
+        taken = {r[0] for r in self.store.db.execute(
+            "SELECT deployment_id FROM deployments WHERE deployment_id = ? OR deployment_id LIKE ?", (base, base + "-%"))}
+        return next(c for n in range(1, len(taken) + 2) if (c := base if n == 1 else f"{base}-{n}") not in taken)
+
     def list(self) -> list[dict]:
         return [_row(r) for r in self.store.db.execute("SELECT * FROM deployments ORDER BY created_at, deployment_id")]
 
