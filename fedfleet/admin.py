@@ -32,7 +32,7 @@ from protocols.messages import MAX_TAGS, TAG_PATTERN
 from protocols.regular_file import read_regular_file
 
 from . import admin_deployments, admin_enroll
-from .admin_client import AdminClient, AdminError, all_devices
+from .admin_client import AdminClient, AdminError, all_devices, all_pages
 from .admin_ids import refused_id
 from .admin_rendering import devices_rows, job_text, listed, log_line, model_rows, progress_line, round_rows, table
 from .errors import UserError, load_json_file
@@ -41,6 +41,17 @@ from .terminal_text import one_line, terminal_safe
 DEFAULT_URL = "http://127.0.0.1:8080"
 MAX_CONFIG_BYTES = 1024 * 1024      # a job config file: the largest request the admin API takes
 MAX_TOKEN_FILE_BYTES = 64 * 1024    # a token is tens of characters
+
+
+def positive_int(text: str) -> int:
+    """argparse's type of a count: a whole number of at least 1, else one line saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 # ----------------------------------------------------------------------------- commands
@@ -65,7 +76,9 @@ def _run(args, client: AdminClient) -> Any:
     if c == "device":
         return _device(args, client)
     if c == "jobs":
-        j = client.get("/api/jobs")
+        # --limit N: the newest N, shown oldest first as the whole listing is
+        j = (all_pages(client, "/api/jobs", "job_id") if args.limit is None else
+             all_pages(client, "/api/jobs", "job_id", most=args.limit, order="newest")[::-1])
         rows = [{**x, "why": ((x.get("summary") or {}).get("error") or "")[:100] or None} for x in j]
         return j, table(rows, [("JOB", "job_id"), ("KIND", "kind"), ("STATE", "state"), ("ROUNDS", "rounds"),
                                ("CONTRIBUTIONS", "contributions"), ("WHY", "why")])
@@ -82,8 +95,7 @@ def _run(args, client: AdminClient) -> Any:
         lines += [f"  {d:<16} answered after {t:.2f}s" for d, t in sorted(r["result_latency_s"].items())]
         return r, "\n".join(lines)
     if c == "models":
-        q = f"?job_id={args.job}" if args.job else ""
-        m = client.get(f"/api/models{q}")
+        m = all_pages(client, "/api/models", "model_id", job_id=args.job)
         return m, table(model_rows(m), [("ID", "model_id"), ("JOB", "job_id"), ("VERSION", "version"),
                                          ("ROUND", "round"), ("PARENT", "parent_id"), ("CONTRIB", "contributions"),
                                          ("ACCURACY", "acc"), ("FINAL", "final_"), ("SHA256", "sha")])
@@ -303,7 +315,8 @@ def add_admin_parser(subparsers, help: str = "operate a running aggregator throu
     dv.add_argument("--tags", default=None, help="tag, enroll: the device's tags, comma-separated (what a "
                     "deployment's --cohort tags:a,b selects by; \"\" clears them)")
     dv.add_argument("--job", default=None, help="forget: only in this job (default: every job holding its data)")
-    add("jobs", help="table of jobs")
+    js = add("jobs", help="table of jobs (every one, page after page, oldest first)")
+    js.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the newest N jobs")
     j = add("job", help="show / create / start / pause / resume / cancel a job, or list its rounds")
     j.add_argument("action", choices=["show", "create", "start", "pause", "resume", "cancel", "rounds", "evaluations"])
     j.add_argument("target", help="job id, or for create: the config JSON file")

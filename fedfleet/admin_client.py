@@ -90,13 +90,22 @@ class AdminClient:
         return self.request("POST", path, body if body is not None else {})
 
 
+def all_pages(client: AdminClient, path: str, key: str, page: int = 1000, most: int | None = None,
+              **params) -> list[dict]:
+    """Every row a paged listing (/api/devices, /api/jobs, /api/models, /api/deployments) holds, page
+    after page (each at most ``page`` rows, each after the last row's ``key``), or its first ``most``."""
+    out: list[dict] = []
+    while most is None or len(out) < most:
+        size = page if most is None else min(page, most - len(out))
+        query = urllib.parse.urlencode({**{k: v for k, v in params.items() if v is not None}, "limit": size,
+                                        **({"after": out[-1][key]} if out else {})})
+        rows = client.get(f"{path}?{query}")
+        out += rows
+        if len(rows) < size:
+            break
+    return out
+
+
 def all_devices(client: AdminClient, status: str | None = None, page: int = 1000) -> list[dict]:
     """Every device /api/devices lists, page after page (it lists at most ``page`` at a time)."""
-    out: list[dict] = []
-    while True:
-        query = urllib.parse.urlencode({"limit": page, **({"after": out[-1]["device_id"]} if out else {}),
-                                        **({"status": status} if status else {})})
-        rows = client.get(f"/api/devices?{query}")
-        out += rows
-        if len(rows) < page:
-            return out
+    return all_pages(client, "/api/devices", "device_id", page, status=status)

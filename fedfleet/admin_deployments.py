@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 
+from .admin_client import all_pages
 from .terminal_text import one_line, terminal_safe
 
 DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d)?\s*$")
@@ -61,7 +62,7 @@ def deploy(args, client):
 def deployments(client, table):
     rows = [{**d, "stage_": f"{d['stage']}/{len(d['stages'])}", "reached": d["counts"]["sent_run"],
              "reported": d["counts"]["reported"], "why": (d["reason"] or "")[:80] or None}
-            for d in client.get("/api/deployments")]
+            for d in all_pages(client, "/api/deployments", "deployment_id")]
     return rows, table(rows, [("DEPLOYMENT", "deployment_id"), ("MODEL", "model_id"), ("STATE", "state"),
                               ("STAGE", "stage_"), ("COHORT", "cohort"), ("GUARD", "guard"), ("REACHED", "reached"),
                               ("REPORTED", "reported"), ("WHY", "why")])

@@ -51,3 +51,24 @@ def test_default_ids_of_deploys_within_one_second_differ(setup, world):
     assert len(set(defaults + named)) == 6 and all(d.startswith(f"m{good}-") for d in defaults)
     again = client.post(f"/api/models/{good}/deploy", headers=AUTH, json={**CANARY, "deployment_id": named[0]})
     assert again.status_code == 409 and "already exists" in again.json()["detail"]
+
+
+def test_deployments_list_a_page_at_a_time_without_their_devices(setup, world):
+    """/api/deployments listed every deployment with every device of each (a review's finding): a
+    page in creation order now, each deployment's devices only on its own route."""
+    store, controller, fleet = setup
+    good = model_id(store, "good", *world["good"])
+    fleet.start("cam-0")
+    client = TestClient(create_app(store, TOKEN, None, controller()))
+    made = []
+    for i in range(5):
+        made.append(client.post(f"/api/models/{good}/deploy", headers=AUTH,
+                                json={**CANARY, "deployment_id": f"d{(i * 3) % 5}"}).json()["deployment_id"])
+        assert client.post(f"/api/deployments/{made[-1]}/rollback", headers=AUTH, json={}).status_code == 200
+    r = client.get("/api/deployments", params={"limit": 2, "order": "newest"}, headers=AUTH)
+    assert [d["deployment_id"] for d in r.json()] == made[::-1][:2] and r.headers["x-total-count"] == "5"
+    assert all(d["devices"] is None for d in r.json()), r.json()
+    full = client.get(f"/api/deployments/{made[-1]}", headers=AUTH).json()
+    assert r.json()[0]["counts"] == full["counts"] and isinstance(full["devices"], dict)
+    rest = client.get("/api/deployments", params={"after": r.headers["x-next-after"], "order": "newest"}, headers=AUTH)
+    assert [d["deployment_id"] for d in rest.json()] == made[::-1][2:] and "x-next-after" not in rest.headers

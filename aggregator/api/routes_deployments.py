@@ -8,11 +8,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Path, Query, status
+from fastapi import FastAPI, HTTPException, Path, Query, Response, status
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from aggregator.api.context import ApiContext
-from aggregator.api.schemas import JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE
+from aggregator.api.paging import PAGE_READ, PAGED, Order, cursor, limit_query, order_query, paged
+from aggregator.api.schemas import JOB_ID_PATTERN, MAX_ID, ONE, WRITE
 from aggregator.deployments.cohort import parse_stages
 from aggregator.deployments.controller import deployment_view
 from aggregator.deployments.guard import DEFAULT_GUARD, DEFAULT_MIN_REPORTS
@@ -81,8 +82,9 @@ class DeploymentOut(BaseModel):
                                                "not about the device's last assignment; refused:<class>: refusals "
                                                "devices reported, by class (signature, hash, stale, device, timeout, "
                                                "load)")
-    devices: dict[str, dict[str, Any]] = Field(description="per device: what it was sent, when, and its report "
-                                                           "(held-out counts only, or why it refused)")
+    devices: dict[str, dict[str, Any]] | None = Field(description="per device: what it was sent, when, and its "
+                                                                  "report (held-out counts only, or why it refused); "
+                                                                  "null in the listing (/api/deployments/{id} has them)")
 
 
 class DeploymentLogPage(BaseModel):
@@ -114,9 +116,16 @@ def add_deployment_routes(app: FastAPI, ctx: ApiContext) -> None:
         except KeyError:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no deployment {deployment_id!r}") from None
 
-    @get("/api/deployments", response_model=list[DeploymentOut], responses=READ)
-    def deployments() -> list[dict]:
-        return [view(r["deployment_id"]) for r in table.list()]
+    @get("/api/deployments", response_model=list[DeploymentOut], responses=PAGE_READ,
+         description="the deployments in creation order, each without its devices (their counts only)" + PAGED
+                     + " (a deployment id)")
+    def deployments(response: Response, after: str = Query(default="", pattern=f"^$|{DEPLOYMENT_ID}"),
+                    limit: int = limit_query(), order: Order = order_query()) -> list[dict]:
+        row = cursor(table.get(after), after) if after else None
+        rows = table.list((row["created_at"], row["deployment_id"]) if row else None, limit + 1, order == "newest")
+        # a deployment's every device is its own route's: one per device of the fleet, in each deployment
+        return [{**view(r["deployment_id"]), "devices": None}
+                for r in paged(response, rows, limit, table.count(), "deployment_id")]
 
     @get("/api/deployments/{deployment_id}", response_model=DeploymentOut, responses=ONE)
     def deployment(deployment_id: str = DeploymentId) -> dict:

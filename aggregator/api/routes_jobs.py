@@ -15,7 +15,8 @@ from aggregator.storage.round_log import SETTING_PREFIX, read_from
 from aggregator.storage.rounds import StoredRound
 from aggregator.storage.store import Store
 from aggregator.api.context import ApiContext
-from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, MAX_ID, ONE, READ, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
+from aggregator.api.paging import PAGE_READ, PAGED, Order, cursor, limit_query, order_query, paged
+from aggregator.api.schemas import (ID_PATTERN, JOB_ID_PATTERN, MAX_ID, ONE, WRITE, Job, JobCreate, LineageEntry, Model, Quarantined,
                       Round, RoundLogPage)
 
 JobId = Path(pattern=JOB_ID_PATTERN)
@@ -26,9 +27,14 @@ def add_job_routes(app: FastAPI, ctx: ApiContext) -> None:
     get, post = (partial(method, tags=["jobs"]) for method in (app.get, app.post))
     store = ctx.store
 
-    @get("/api/jobs", response_model=list[Job], responses=READ)
-    def jobs() -> list[dict]:
-        return [ctx.job_out(j) for j in store.jobs()]
+    @get("/api/jobs", response_model=list[Job], responses=PAGE_READ,
+         description="the jobs in creation order" + PAGED + " (a job id)")
+    def jobs(response: Response, after: str = Query(default="", pattern=f"^$|{JOB_ID_PATTERN}"),
+             limit: int = limit_query(), order: Order = order_query()) -> list[dict]:
+        row = cursor(store.job(after), after) if after else None
+        start = (row["created_at"], row["job_id"]) if row else None
+        rows = store.jobs(start, limit + 1, newest=order == "newest")
+        return [ctx.job_out(j) for j in paged(response, rows, limit, store.job_count(), "job_id")]
 
     @post("/api/jobs", response_model=Job, status_code=201, responses=WRITE,
             description="create a job of any registered kind (``fedfleet admin job create FILE`` sends the file)")
@@ -104,9 +110,13 @@ def add_model_routes(app: FastAPI, ctx: ApiContext) -> None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no model {model_id}")
         return m
 
-    @get("/api/models", response_model=list[Model], responses=READ)
-    def models(job_id: str | None = Query(default=None, pattern=JOB_ID_PATTERN)) -> list[dict]:
-        return store.models(job_id)
+    @get("/api/models", response_model=list[Model], responses=PAGE_READ,
+         description="model versions in id (creation) order, of one job (``job_id``) or all" + PAGED + " (a model id)")
+    def models(response: Response, job_id: str | None = Query(default=None, pattern=JOB_ID_PATTERN),
+               after: int | None = Query(default=None, ge=1, le=MAX_ID), limit: int = limit_query(),
+               order: Order = order_query()) -> list[dict]:
+        rows = store.models(job_id, after, limit + 1, newest=order == "newest")
+        return paged(response, rows, limit, store.model_count(job_id), "model_id")
 
     @get("/api/models/{model_id}", response_model=Model, responses=ONE)
     def model(model_id: int = ModelId) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+from aggregator.storage.pages import key_page, row_count
 from aggregator.storage.store import Store, StoreError
 
 
@@ -39,8 +40,14 @@ class DeploymentStore:
             "SELECT deployment_id FROM deployments WHERE deployment_id = ? OR deployment_id LIKE ?", (base, base + "-%"))}
         return next(c for n in range(1, len(taken) + 2) if (c := base if n == 1 else f"{base}-{n}") not in taken)
 
-    def list(self) -> list[dict]:
-        return [_row(r) for r in self.store.db.execute("SELECT * FROM deployments ORDER BY created_at, deployment_id")]
+    def list(self, after: tuple[float, str] | None = None, limit: int | None = None, newest: bool = False) -> list[dict]:
+        """Deployments in creation order (``newest``: newest first): every one, or the first ``limit``
+        past ``after``, the (created_at, deployment_id) of the last one of the page before."""
+        return [_row(r) for r in key_page(self.store.db, "SELECT * FROM deployments", ("created_at", "deployment_id"),
+                                          after, limit, newest)]
+
+    def count(self) -> int:
+        return row_count(self.store.db, "deployments")
 
     def mark_sent(self, deployment_id: str, devices: list[str], sent: str) -> int:
         """Record that ``devices`` are sent ``sent`` of this deployment; returns the assignment's

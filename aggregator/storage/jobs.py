@@ -12,6 +12,7 @@ import numpy as np
 
 from aggregator.storage.connection import StoreConnection, StoreError
 from aggregator.storage.models import add_model_version
+from aggregator.storage.pages import key_page, row_count
 from aggregator.storage.schema import FINAL_JOB_STATES, JOB_STATES, JobState
 from aggregator.storage.settings import read_setting, write_setting
 
@@ -81,8 +82,18 @@ class JobRepository(StoreConnection):
         r = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return _job_row(r) if r else None
 
-    def jobs(self) -> list[dict]:
-        return [_job_row(r) for r in self.db.execute("SELECT * FROM jobs ORDER BY created_at, job_id")]
+    def jobs(self, after: tuple[float, str] | None = None, limit: int | None = None, newest: bool = False) -> list[dict]:
+        """Jobs in creation order (``newest``: newest first): every one, or the first ``limit`` past
+        ``after``, the (created_at, job_id) of the last job of the page before."""
+        return [_job_row(r) for r in key_page(self.db, "SELECT * FROM jobs", ("created_at", "job_id"), after, limit,
+                                              newest)]
+
+    def job_count(self) -> int:
+        return row_count(self.db, "jobs")
+
+    def job_state_counts(self) -> dict[str, int]:
+        """state -> how many jobs are in it (counted, not read: /metrics at 20,000 jobs)."""
+        return dict(self.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
 
     def lately_finished(self, limit: int) -> list[dict]:
         """The last ``limit`` jobs to reach a final state (done, failed, cancelled), the latest last:

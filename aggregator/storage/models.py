@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from aggregator.storage.connection import StoreConnection
+from aggregator.storage.pages import key_page, row_count
 
 MODEL_COLUMNS = ("model_id, job_id, version, round, parent_id, contributions, sha256, metrics, final, created_at, "
                  "length(arrays) AS nbytes")
@@ -49,11 +50,16 @@ def add_model_version(db: sqlite3.Connection, job_id: str, round_: int, arrays: 
 
 
 class ModelRepository(StoreConnection):
-    def models(self, job_id: str | None = None) -> list[dict]:
-        q = f"SELECT {MODEL_COLUMNS} FROM models"
-        rows = (self.db.execute(q + " WHERE job_id=? ORDER BY model_id", (job_id,)) if job_id
-                else self.db.execute(q + " ORDER BY model_id"))
-        return [_model_row(r) for r in rows]
+    def models(self, job_id: str | None = None, after: int | None = None, limit: int | None = None,
+               newest: bool = False) -> list[dict]:
+        """Model versions in id (creation) order (``newest``: newest first), of one job or every job:
+        every one, or the first ``limit`` past model id ``after``."""
+        where, args = ("job_id=?", (job_id,)) if job_id else ("", ())
+        return [_model_row(r) for r in key_page(self.db, f"SELECT {MODEL_COLUMNS} FROM models", ("model_id",),
+                                                None if after is None else (after,), limit, newest, where, args)]
+
+    def model_count(self, job_id: str | None = None) -> int:
+        return row_count(self.db, "models", *(("job_id=?", (job_id,)) if job_id else ()))
 
     def model(self, model_id: int) -> dict | None:
         r = self.db.execute(f"SELECT {MODEL_COLUMNS} FROM models WHERE model_id=?", (model_id,)).fetchone()

@@ -103,6 +103,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     summary     TEXT,
     end_failures INTEGER NOT NULL DEFAULT 0     -- its end's failed tries in a row (0 again once queued)
 );
+-- the admin API lists jobs and deployments a page at a time in creation order (storage/pages.py)
+CREATE INDEX IF NOT EXISTS jobs_by_creation ON jobs (created_at, job_id);
 CREATE TABLE IF NOT EXISTS rounds (
     job_id       TEXT NOT NULL REFERENCES jobs(job_id),
     round        INTEGER NOT NULL,

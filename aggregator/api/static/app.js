@@ -15,6 +15,19 @@ async function api(path) {
   return resp.json();
 }
 
+// A paged listing's first page (aggregator/api/paging.py) and how many rows the whole listing holds
+async function apiPage(path) {
+  const resp = await fetch(path, { credentials: "same-origin", cache: "no-store" });
+  if (resp.status === 401) { window.location.assign("/dashboard/"); throw new Error("signed out"); }
+  if (!resp.ok) throw new Error(`${path}: HTTP ${resp.status}`);
+  const rows = await resp.json();
+  return { rows, total: Number(resp.headers.get("X-Total-Count") ?? rows.length) };
+}
+
+// What the tables show, all the dashboard asks for each second: the newest of each listing (20,000
+// jobs were read, counted and sent whole every second, 28 MB each time)
+const JOBS_SHOWN = 50, MODELS_SHOWN = 20, DEPLOYMENTS_SHOWN = 20;
+
 function ago(ts) {
   if (!ts) return "-";
   const s = Math.max(0, Date.now() / 1000 - ts);
@@ -95,7 +108,8 @@ function drawCurve(evals) {
     : "no evaluations with accuracy yet";
 }
 
-function showJobs(jobs, shown) {
+function showJobs(jobs, total, shown) {
+  $("jobs-count").textContent = total > jobs.length ? `(the newest ${jobs.length} of ${total})` : "";
   fillTable("jobs-table", jobs.map((j) => [j.job_id, j.kind, j.state, j.rounds, j.contributions,
     ago(j.started_at), ago(j.finished_at), (j.summary && j.summary.error) || ""]), (tr, i) => {
     tr.dataset.job = jobs[i].job_id;
@@ -104,8 +118,7 @@ function showJobs(jobs, shown) {
   });
 }
 
-function showDeployments(deployments) {
-  deployments.sort((a, b) => b.created_at - a.created_at);
+function showDeployments(deployments) {     // newest first, as asked
   fillTable("deployments-table", deployments.map((d) => {
     const last = [...d.history].reverse().find((h) => h.metrics && h.metrics.wma_candidate != null);
     const acc = last ? `${last.metrics.wma_candidate.toFixed(2)}% / ${last.metrics.wma_current.toFixed(2)}%` : "-";
@@ -145,7 +158,7 @@ const ROUNDS_SHOWN = 15;
 async function showJob(job, live) {
   const id = encodeURIComponent(job.job_id);
   const [rounds, evals, models] = await Promise.all([api(`/api/jobs/${id}/rounds?last=${ROUNDS_SHOWN}`), api(`/api/jobs/${id}/evaluations`),
-    api(`/api/models?job_id=${id}`)]);
+    api(`/api/models?job_id=${id}&order=newest&limit=${MODELS_SHOWN}`)]);
   const isLive = live && live.job_id === job.job_id;
   const open = rounds.find((r) => r.state === "open") || null;
   $("selected-job").textContent = shown(job.job_id);
@@ -165,24 +178,26 @@ async function showJob(job, live) {
     r.accepted.length, r.dropped.length, r.declined.length, r.rejected.length,
     r.duration_s == null ? "open" : r.duration_s.toFixed(1) + "s", (r.bytes_in / 1024).toFixed(1)]));
   drawCurve(evals);
-  fillTable("models-table", models.slice().reverse().map((m) => [m.model_id, m.version, m.round, m.contributions,
+  fillTable("models-table", models.map((m) => [m.model_id, m.version, m.round, m.contributions,
     m.metrics.accuracy == null ? "-" : m.metrics.accuracy.toFixed(4), m.final ? "final" : "", m.sha256.slice(0, 12)]));
 }
 
 async function refresh() {
   try {
-    const [status, jobs, devices, clusters, deployments, fleet] = await Promise.all([api("/api/status"),
-      api("/api/jobs"), api(`/api/devices?limit=${DEVICE_PAGE}`), api("/api/clusters"), api("/api/deployments"),
-      api("/api/fleet")]);
-    jobs.sort((a, b) => b.created_at - a.created_at);
+    const [status, jobPage, devices, clusters, deployments, fleet] = await Promise.all([api("/api/status"),
+      apiPage(`/api/jobs?order=newest&limit=${JOBS_SHOWN}`), api(`/api/devices?limit=${DEVICE_PAGE}`),
+      api("/api/clusters"), api(`/api/deployments?order=newest&limit=${DEPLOYMENTS_SHOWN}`), api("/api/fleet")]);
+    const jobs = jobPage.rows;
     const live = status.job;
     const shownId = chosenJob || (live ? live.job_id : jobs.length ? jobs[0].job_id : null);
-    showJobs(jobs, shownId);
+    showJobs(jobs, jobPage.total, shownId);
     // /api/status counts the devices online (absent without a live service: count the page's)
     showDevices(devices, status.devices_online ?? devices.filter((d) => d.online).length, fleet);
     showDeployments(deployments);
     fillTable("clusters-table", clusters.map((c) => [c.cluster_id, c.label, c.job_id, c.model_id, c.devices]));
-    const job = jobs.find((j) => j.job_id === shownId);
+    // the job shown (the active one, or the one clicked) may be older than the newest page
+    const job = jobs.find((j) => j.job_id === shownId) ||
+      (shownId ? await api(`/api/jobs/${encodeURIComponent(shownId)}`) : null);
     if (job) await showJob(job, live);
     $("conn").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (err) {
