@@ -113,7 +113,8 @@ def test_a_device_follows_a_rollout_on_its_bundles_features(broker, bundle, tmp_
         time.sleep(5)                                        # time to meet the retained assignment again
         log += stop(proc, logs[1])
         assert "running head" in log and "of deployment ridge-1" in log, log[-3000:]
-        assert ctl.show("ridge-1")["devices"]["cam1"] == {"sent": "run", "sent_at": sent_at, "report": report}
+        assert ctl.show("ridge-1")["devices"]["cam1"] == {"sent": "run", "sent_at": sent_at, "report": report,
+                                                          "enrolled_at": store.device("cam1")["enrolled_at"]}
     finally:
         if proc.poll() is None:
             log += stop(proc, logs[1] if logs[1].exists() else logs[0])

@@ -56,11 +56,13 @@ def offline_controller(store: Store) -> tuple[DeploymentController, list[str]]:
     return ctl, published
 
 
-def full_read(path) -> dict[str, tuple[str, ...]]:
-    """The reference: known, not revoked devices -> operator tags, from a connection of its own."""
+def full_read(path, what: str = "tags") -> dict:
+    """The reference: known, not revoked devices -> operator tags (or ``what`` else of their rows:
+    ``enrolled_at``), from a connection of its own."""
     store = Store(path)
     try:
-        return {r["device_id"]: tuple(r["tags"]) for r in store.devices() if r["status"] != "revoked"}
+        return {r["device_id"]: tuple(r["tags"]) if what == "tags" else r[what]
+                for r in store.devices() if r["status"] != "revoked"}
     finally:
         store.close()
 
@@ -100,7 +102,7 @@ def test_a_tick_reads_only_what_another_writer_changed_and_acts_on_it(tmp_path, 
     for _ in range(2):                          # the released devices get the settled version's run next tick
         ctl._roll_out(time.time())
     assert full_reads == read_at_start, "a tick read the whole fleet"
-    assert ctl.fleet.devices == full_read(path)
+    assert ctl.fleet.devices == full_read(path) and ctl.fleet.enrolments == full_read(path, "enrolled_at")
     assert {d: a for d, a in assignments(store).items() if d not in devices[3:4]} == {
         "cam-0": ("v1", "run"), "cam-1": ("v1", "run"),      # let go: rolled back, then the settled version
         "cam-2": ("v2", "run"), "cam-4": ("v1", "run"), "cam-5": ("v1", "run"),
@@ -123,6 +125,7 @@ def test_ticks_send_what_a_look_at_the_whole_fleet_sends_whatever_changes(tmp_pa
 
     def whole_fleet():
         whole._planned = None                   # the reference: every device looked at, every tick
+        whole.fleet.enrolments = full_read(stores[1].path, "enrolled_at")
         return full_read(stores[1].path)
 
     whole._fleet = whole_fleet
@@ -152,4 +155,5 @@ def test_ticks_send_what_a_look_at_the_whole_fleet_sends_whatever_changes(tmp_pa
         assert sent_changed == sent_whole, f"step {step}"
         assert assignments(stores[0]) == assignments(stores[1]), f"step {step}"
         assert changed.fleet.devices == full_read(stores[0].path)
+        assert changed.fleet.enrolments == full_read(stores[0].path, "enrolled_at")
     assert len(sent_changed) > 40 and any("rollback" in p for p in sent_changed)

@@ -48,7 +48,7 @@ REFUSED = {
     "another program's database": (foreign_database, "is not a fedfleet state database: it holds tables recipes"),
     "a newer schema": (store_of_version(str(SCHEMA_VERSION + 1)),
                        f"schema version {SCHEMA_VERSION + 1}, this aggregator uses {SCHEMA_VERSION} "
-                       "(and migrates 1, 2 and 3): a newer aggregator wrote it"),
+                       "(and migrates 1, 2, 3 and 4): a newer aggregator wrote it"),
     "a version that is no number": (store_of_version("x"), f"schema version x, this aggregator uses {SCHEMA_VERSION}"),
     "no database": (lambda p: p.write_bytes(b"these are not the bytes of an SQLite file\n" * 100),
                     "cannot be opened as a state database: file is not a database"),

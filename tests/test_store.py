@@ -17,6 +17,7 @@ from aggregator.jobs.fed3r import Fed3RConfig, Fed3RJob
 from aggregator.jobs.registry import validate_job_config
 from aggregator.service.loop import AggregatorService
 from aggregator.service.settings import ServiceSettings
+from aggregator.storage.schema import SCHEMA_VERSION
 from aggregator.storage.store import Store, StoreError, arrays_sha256
 from protocols import messages as M
 from protocols.envelope import encode
@@ -212,7 +213,7 @@ def test_a_jobs_end_failures_are_counted_in_its_row_and_afresh_once_it_is_queued
                      "VALUES ('old', 'fed3r', '{}', 'running', 1.0, 1.0); COMMIT;")
     db.close()
     store = Store(path)
-    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "4"
+    assert store.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     assert store.job("old")["end_failures"] == 0
     assert [store.count_end_failure("old") for _ in range(3)] == [1, 2, 3]
     store.close()

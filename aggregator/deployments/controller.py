@@ -9,7 +9,8 @@ has its own topics, ``protocols/payloads/deployment.py``), with one active deplo
   only when the deployments or the stage changed; else at the devices that changed since the last
   tick (enrolled, revoked, tagged: ``FleetView``; sent an assignment; reported), as every other
   device's answer is the one it had then: nothing to send. A stage with too few reports halfway
-  through its patience has its devices that never reported sent their run again, once;
+  through its patience has its devices that never reported sent their run again, once. An id revoked
+  and enrolled again is a new device: sent the run afresh, its predecessor's report never counted;
 * it answers head fetches (``artifact.get`` on a device's deploy outbox) with the head's bytes;
 * it stores each report, each assignment sent and each state change (``DeploymentStore``) before
   acting on it, so a restarted aggregator resumes the same deployment and re-sends nothing (each
@@ -70,13 +71,18 @@ class CorruptModel(StoreError):
 @dataclass
 class Served:
     """A deployment the controller serves: its machine, its head file, and per device what it was
-    sent and reported (``{sent, sent_at, report}``, as stored)."""
+    sent, to which of its enrolments, and reported (``{sent, sent_at, enrolled_at, report}``, as stored)."""
     dep: Deployment
     head: bytes
     sent: dict[str, dict]
 
     def has_run(self, device: str) -> bool:
         return (self.sent.get(device) or {}).get("sent") == D.RUN
+
+    def runs_on(self, device: str, enrolled_at: float | None) -> bool:
+        """Whether the device's enrolment ``enrolled_at`` was sent the run: a revoked id enrolled again
+        is a new device, sent nothing yet, and the report under its id is its predecessor's."""
+        return self.has_run(device) and self.sent[device]["enrolled_at"] == enrolled_at
 
 
 class DeploymentController(LinkWorker):
@@ -284,10 +290,11 @@ class DeploymentController(LinkWorker):
             members = self._members
             self._release(active, sorted(d for d in looked_at if active.has_run(d) and d not in members
                                          and self.last.get(d, ("",))[0] == active.dep.deployment_id))
+            enrolments = self.fleet.enrolments
             self._send_run(active, sorted(d for d in (members if whole else looked_at)
-                                          if d in members and not active.has_run(d)))
-            reporting = {d for d in (members if whole else dirty) if d in members and active.has_run(d)
-                         and active.sent[d]["report"] is not None}
+                                          if d in members and not active.runs_on(d, enrolments.get(d))))
+            reporting = {d for d in (members if whole else dirty) if d in members and
+                         active.runs_on(d, enrolments.get(d)) and active.sent[d]["report"] is not None}
             self._reporting = reporting if whole else (self._reporting - dirty) | reporting
         self._planned = plan
         if active is not None:
@@ -440,12 +447,12 @@ class DeploymentController(LinkWorker):
         """Publish ``message(device, seq)`` to each device, retained, under a new sequence."""
         if not devices:
             return
-        seq = self.table.mark_sent(served.dep.deployment_id, devices, what)     # a restart re-sends none of these
+        seq, enrolments = self.table.mark_sent(served.dep.deployment_id, devices, what)   # a restart re-sends none
         for d in devices:
             sent = served.sent.setdefault(d, {"report": None})
-            if what == D.RUN and sent.get("sent") != D.RUN:
-                sent["report"] = None       # a run after a rollback: judged anew (mark_sent clears it too)
-            sent["sent"] = what
+            if what == D.RUN and (sent.get("sent") != D.RUN or sent.get("enrolled_at") != enrolments[d]):
+                sent["report"] = None       # a run after a rollback, or to a new enrolment: judged anew (as mark_sent)
+            sent["sent"], sent["enrolled_at"] = what, enrolments[d]
             self.last[d] = (served.dep.deployment_id, seq)
             self._dirty.add(d)          # the next rollout tick looks at it again
             self.link.publish_envelope(self.topics.deploy(d), message(d, seq), signer=self.signer, retain=True)

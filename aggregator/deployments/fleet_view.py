@@ -1,5 +1,5 @@
 """The fleet a deployment's cohort reads (known, not revoked devices -> the tags the operator gave
-them), kept in memory and brought up to date from the store's change rows.
+them, and each one's enrolment), kept in memory and brought up to date from the store's change rows.
 
 Read in full once; then each :meth:`FleetView.refresh` reads only the devices whose place in the
 fleet changed since (``fleet_changes``, kept by triggers in the store: an enrolment, a
@@ -16,15 +16,19 @@ from aggregator.storage.store import Store
 class FleetView:
     def __init__(self, store: Store):
         self.store = store
-        self.devices, self._seen = store.operator_fleet()       # device -> tags; the last change seq read
+        members, self._seen = store.operator_fleet()       # the last change seq read
+        self.devices = {d: tags for d, (tags, _) in members.items()}                # device -> tags
+        # device -> its enrolment (devices.enrolled_at): another one is a new device under the same id
+        self.enrolments = {d: enrolled_at for d, (_, enrolled_at) in members.items()}
 
-    def refresh(self) -> dict[str, tuple[str, ...] | None]:
-        """The changes since the last refresh, applied: device -> its tags now, None for one that
-        left the fleet (revoked or deleted); {} when nothing changed."""
+    def refresh(self) -> dict[str, tuple[tuple[str, ...], float | None] | None]:
+        """The changes since the last refresh, applied: device -> (its tags, its enrolment) now,
+        None for one that left the fleet (revoked or deleted); {} when nothing changed."""
         changed, self._seen = self.store.fleet_changes_after(self._seen)
-        for device, tags in changed.items():
-            if tags is None:
+        for device, member in changed.items():
+            if member is None:
                 self.devices.pop(device, None)
+                self.enrolments.pop(device, None)
             else:
-                self.devices[device] = tags
+                self.devices[device], self.enrolments[device] = member
         return changed

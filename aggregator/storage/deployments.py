@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+from aggregator.storage.devices import enrolments as enrolments_of
 from aggregator.storage.pages import key_page, row_count
 from aggregator.storage.store import Store, StoreError
 
@@ -49,22 +50,27 @@ class DeploymentStore:
     def count(self) -> int:
         return row_count(self.store.db, "deployments")
 
-    def mark_sent(self, deployment_id: str, devices: list[str], sent: str) -> int:
+    def mark_sent(self, deployment_id: str, devices: list[str], sent: str) -> tuple[int, dict[str, float | None]]:
         """Record that ``devices`` are sent ``sent`` of this deployment; returns the assignment's
         sequence: above every one sent before, and never below the wall clock in milliseconds, so
-        even a store restored from an older backup numbers its next assignment above what devices hold."""
+        even a store restored from an older backup numbers its next assignment above what devices hold;
+        and each device's enrolment it was sent to (``devices.enrolled_at``, read in the same transaction)."""
         now = time.time()
         with self.store._tx() as db:
             (high,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM deployment_assignments").fetchone()
             seq = max(high + 1, int(now * 1000))
-            # a run after a rollback (a device let go, then back in the stage) is judged anew: its old report goes
-            db.executemany("INSERT INTO deployment_devices VALUES (?, ?, ?, ?, NULL) ON CONFLICT (deployment_id, "
-                           "device) DO UPDATE SET sent=excluded.sent, sent_at=excluded.sent_at, report=CASE WHEN "
-                           "excluded.sent = 'run' AND deployment_devices.sent != 'run' THEN NULL ELSE report END",
-                           [(deployment_id, d, sent, now) for d in devices])
+            enrolments = {**dict.fromkeys(devices), **enrolments_of(db, devices)}
+            # a run after a rollback (a device let go, then back in the stage), or to another enrolment of
+            # the id (revoked, enrolled again: a new device), is judged anew: its old report goes
+            db.executemany("INSERT INTO deployment_devices (deployment_id, device, sent, sent_at, report, enrolled_at) "
+                           "VALUES (?, ?, ?, ?, NULL, ?) ON CONFLICT (deployment_id, device) DO UPDATE SET "
+                           "sent=excluded.sent, sent_at=excluded.sent_at, report=CASE WHEN excluded.sent = 'run' AND "
+                           "(deployment_devices.sent != 'run' OR deployment_devices.enrolled_at IS NOT "
+                           "excluded.enrolled_at) THEN NULL ELSE report END, enrolled_at=excluded.enrolled_at",
+                           [(deployment_id, d, sent, now, enrolments[d]) for d in devices])
             db.executemany("INSERT OR REPLACE INTO deployment_assignments VALUES (?, ?, ?, ?)",
                            [(d, deployment_id, seq, sent) for d in devices])
-        return seq
+        return seq, enrolments
 
     def last_assignments(self) -> dict[str, tuple[str, int]]:
         """device -> (deployment, seq) of the last assignment sent to it."""
@@ -98,8 +104,8 @@ class DeploymentStore:
         return out
 
     def devices(self, deployment_id: str) -> dict[str, dict]:
-        """device -> {sent, sent_at, report}."""
-        return {r["device"]: {"sent": r["sent"], "sent_at": r["sent_at"],
+        """device -> {sent, sent_at, enrolled_at, report} (enrolled_at: the enrolment it was sent to)."""
+        return {r["device"]: {"sent": r["sent"], "sent_at": r["sent_at"], "enrolled_at": r["enrolled_at"],
                               "report": json.loads(r["report"]) if r["report"] else None}
                 for r in self.store.db.execute("SELECT * FROM deployment_devices WHERE deployment_id=? "
                                                "ORDER BY device", (deployment_id,))}

@@ -69,12 +69,7 @@ class DeviceRepository(StoreConnection):
 
     def unknown_devices(self, device_ids: list[str]) -> set[str]:
         """Which of ``device_ids`` the store has no row for."""
-        known: set[str] = set()
-        for start in range(0, len(device_ids), 500):            # SQLite's bound-parameter limit
-            batch = device_ids[start:start + 500]
-            known.update(r[0] for r in self.db.execute(
-                f"SELECT device_id FROM devices WHERE device_id IN ({','.join('?' * len(batch))})", batch))
-        return set(device_ids) - known
+        return set(device_ids) - set(enrolments(self.db, device_ids))
 
     def device(self, device_id: str) -> dict | None:
         r = self.db.execute(f"{_WITH_TAGS} WHERE d.device_id=?", (device_id,)).fetchone()
@@ -92,27 +87,27 @@ class DeviceRepository(StoreConnection):
             else:
                 db.execute("DELETE FROM device_tags WHERE device_id=?", (device_id,))
 
-    def operator_fleet(self) -> tuple[dict[str, tuple[str, ...]], int]:
-        """Known, not revoked devices -> the tags the operator gave them; and a change seq
-        (``fleet_changes``) these rows include every change up to: a change after it has a higher
-        one (:meth:`fleet_changes_after`). The seq is read first: a change committed between the
-        two reads is in the rows and read again later, never missed."""
+    def operator_fleet(self) -> tuple[dict[str, tuple[tuple[str, ...], float | None]], int]:
+        """Known, not revoked devices -> (the tags the operator gave them, their enrolment); and a
+        change seq (``fleet_changes``) these rows include every change up to: a change after it has a
+        higher one (:meth:`fleet_changes_after`). The seq is read first: a change committed between
+        the two reads is in the rows and read again later, never missed."""
         high = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM fleet_changes").fetchone()[0]
         rows = self.db.execute(f"{FLEET_READ} FROM devices d LEFT JOIN device_tags t USING (device_id) "
                                "WHERE d.status != 'revoked'")
-        return {r["device_id"]: _operator_tags(r) for r in rows}, high
+        return {r["device_id"]: _fleet_member(r) for r in rows}, high
 
-    def fleet_changes_after(self, seq: int) -> tuple[dict[str, tuple[str, ...] | None], int]:
-        """The devices whose place in the fleet changed after change ``seq`` -> their tags now, or
-        None when they are no longer in it (revoked, deleted); and the highest seq read (``seq``
-        when nothing changed: one indexed look-up)."""
+    def fleet_changes_after(self, seq: int) -> tuple[dict[str, tuple[tuple[str, ...], float | None] | None], int]:
+        """The devices whose place in the fleet changed after change ``seq`` -> (their tags, their
+        enrolment) now, or None when they are no longer in it (revoked, deleted); and the highest seq
+        read (``seq`` when nothing changed: one indexed look-up)."""
         changed, high = {}, seq
         for r in self.db.execute(f"{FLEET_READ}, c.device_id AS changed, c.seq FROM fleet_changes c "
                                  "LEFT JOIN devices d USING (device_id) LEFT JOIN device_tags t USING (device_id) "
                                  "WHERE c.seq > ?", (seq,)):
             high = max(high, r["seq"])
             in_fleet = r["status"] is not None and r["status"] != "revoked"
-            changed[r["changed"]] = _operator_tags(r) if in_fleet else None
+            changed[r["changed"]] = _fleet_member(r) if in_fleet else None
         return changed, high
 
     def enrolled_keys(self) -> dict[str, bytes | None]:
@@ -145,13 +140,25 @@ class DeviceRepository(StoreConnection):
         return [dict(r) for r in rows]
 
 
-# what a deployment's cohort reads of a device: whether it is in the fleet, and its operator tags
-FLEET_READ = "SELECT d.device_id, d.status, t.tags"
+def enrolments(db: sqlite3.Connection, device_ids: list[str]) -> dict[str, float | None]:
+    """Each of ``device_ids`` the store has a row for -> its enrolment (``enrolled_at``: a revoked id
+    enrolled again has another), read on ``db`` (the caller's transaction, where it writes by it)."""
+    found: dict[str, float | None] = {}
+    for start in range(0, len(device_ids), 500):            # SQLite's bound-parameter limit
+        batch = device_ids[start:start + 500]
+        found.update(db.execute(f"SELECT device_id, enrolled_at FROM devices WHERE device_id IN "
+                                f"({','.join('?' * len(batch))})", batch).fetchall())
+    return found
+
+
+# what a deployment reads of a device: whether it is in the fleet, its operator tags (its cohort's), its
+# enrolment (a revoked id enrolled again changes it: a new device, whose predecessor's report is not its own)
+FLEET_READ = "SELECT d.device_id, d.status, d.enrolled_at, t.tags"
 _WITH_TAGS = "SELECT d.*, t.tags AS operator_tags FROM devices d LEFT JOIN device_tags t USING (device_id)"
 
 
-def _operator_tags(r: sqlite3.Row) -> tuple[str, ...]:
-    return tuple(json.loads(r["tags"] or "[]"))
+def _fleet_member(r: sqlite3.Row) -> tuple[tuple[str, ...], float | None]:
+    return tuple(json.loads(r["tags"] or "[]")), r["enrolled_at"]
 
 
 def _device_row(r: sqlite3.Row) -> dict:

@@ -12,7 +12,10 @@ import enum
 # 4: jobs.end_failures, the failed tries in a row of a job's end, kept across restarts
 #    (aggregator/service/end_failures.py): a store of an earlier version gains the column
 #    (ADDED_COLUMNS, added where absent on every open, as the tables are created)
-SCHEMA_VERSION = 4
+# 5: deployment_devices.enrolled_at, the enrolment each assignment was sent to (a revoked id enrolled
+#    again is a new device to a rollout): added as 4's column was, an earlier row given its device's
+#    enrolment when the column is added (the best a store that never recorded it knows)
+SCHEMA_VERSION = 5
 
 
 class JobState(enum.StrEnum):
@@ -193,6 +196,9 @@ CREATE TABLE IF NOT EXISTS deployment_devices (
     sent          TEXT NOT NULL CHECK (sent IN ('run', 'rollback')),   -- the last assignment published
     sent_at       REAL NOT NULL,
     report        TEXT,             -- its last report on the candidate (JSON), if any
+    -- the device's enrolment (devices.enrolled_at) the assignment was sent to: its report counts only
+    -- while that is the device's enrolment; a revoked id enrolled again is sent the run afresh
+    enrolled_at   REAL,
     PRIMARY KEY (deployment_id, device)
 );
 -- each device's last assignment (run or rollback, of any deployment) and its sequence: a report is
@@ -219,8 +225,11 @@ CREATE TABLE IF NOT EXISTS settings (
 """.replace("{contributions}", CONTRIBUTIONS.format(name="contributions")).replace("{index}", CONTRIBUTIONS_INDEX) \
     .replace("{fleet_triggers}", FLEET_TRIGGERS)
 
-# the columns a later version added to a table an earlier one made: (table, column, its declaration)
-ADDED_COLUMNS = (("jobs", "end_failures", "INTEGER NOT NULL DEFAULT 0"),)
+# the columns a later version added to a table an earlier one made: (table, column, its declaration,
+# the statement that fills it in the rows the table held, or "")
+ADDED_COLUMNS = (("jobs", "end_failures", "INTEGER NOT NULL DEFAULT 0", ""),
+                 ("deployment_devices", "enrolled_at", "REAL", "UPDATE deployment_devices SET enrolled_at = "
+                  "(SELECT enrolled_at FROM devices WHERE devices.device_id = deployment_devices.device)"))
 
 # Version 1 kept each payload in the table (``contributions.payload BLOB``). Once every payload is in
 # its file, the table is rebuilt in the version 2 shape (same seqs); the caller keeps the AUTOINCREMENT

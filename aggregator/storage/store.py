@@ -63,7 +63,7 @@ log = logging.getLogger("fedfleet.aggregator")
 
 # the tables of every version this aggregator opens (sqlite_sequence: SQLite's AUTOINCREMENT marks)
 STORE_TABLES = frozenset(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
-READABLE_VERSIONS = ("1", "2", "3", str(SCHEMA_VERSION))
+READABLE_VERSIONS = ("1", "2", "3", "4", str(SCHEMA_VERSION))
 MIGRATED_VERSIONS = f"{', '.join(READABLE_VERSIONS[:-2])} and {READABLE_VERSIONS[-2]}"     # what the messages say
 
 
@@ -109,7 +109,7 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif migrated := row[0] == "1":
                 self._migrate_from_v1(db)
-            elif row[0] in ("2", "3"):      # the tables and columns they lack, made above, are all 3 and 4 add
+            elif row[0] in ("2", "3", "4"):     # the tables and columns they lack, made above, are all 3-5 add
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
             elif row[0] != str(SCHEMA_VERSION):      # checked_state_file's refusal, met by a writer since
                 raise StoreError(f"{self.path} has schema version {row[0]}, this aggregator uses {SCHEMA_VERSION}")
@@ -146,6 +146,8 @@ class Store(DeviceRepository, JobRepository, RoundRepository, ContributionReposi
 
 def _add_columns(db: sqlite3.Connection) -> None:
     """The columns of ``ADDED_COLUMNS`` a table lacks (``CREATE TABLE IF NOT EXISTS`` keeps an older table as it is)."""
-    for table, column, declaration in ADDED_COLUMNS:
+    for table, column, declaration, fill in ADDED_COLUMNS:
         if column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+            if fill:
+                db.execute(fill)
