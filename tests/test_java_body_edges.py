@@ -14,7 +14,10 @@ What differed before:
   refused by Java; a ``model_id`` missing or not an integer refused by Python, taken by Java;
 * text limits in characters (job ids, member ids: Python's ``len``, Unicode code points) counted in
   UTF-16 units by Java, which refused an id of 65 to 128 astral-plane characters;
-* a topic root with a control character or over 128 characters taken by the Java device.
+* a topic root with a control character or over 128 characters taken by the Java device;
+* a ``run``'s ``nbytes`` of 2^63 to 2^64 - 1 (JSON integers the wire takes) read by the Java device
+  with ``BigInteger.longValue()``, which wrapped it to a negative count: refused, but as "head of -1
+  bytes", not with the number it was sent and the limit, as the Python device says it.
 """
 
 from __future__ import annotations
@@ -147,6 +150,23 @@ def test_an_assignments_bundle_and_model_id_have_one_type(java_cp):
              assignment("model_id 0", model_id=0)]
     assert_same_decisions(java_cp, cases, ["ACCEPT", "REFUSE", "REFUSE", "REFUSE", "REFUSE",
                                            "REFUSE", "REFUSE", "REFUSE", "REFUSE", "ACCEPT"])
+
+
+def test_an_assignments_nbytes_and_model_id_are_read_whole_never_wrapped_to_64_bits(java_cp):
+    """nbytes: 1 .. MAX_HEAD_BYTES, anything else refused with the number sent and the limit, in the
+    same words by both devices (Java wrapped 2^63 .. 2^64 - 1 to a negative count and said that);
+    model_id: any integer the wire takes. An integer past -2^63 .. 2^64 - 1 is refused by either
+    device's envelope decoder before the body is read (each in its own words)."""
+    sizes = [1, D.MAX_HEAD_BYTES, D.MAX_HEAD_BYTES + 1, 0, -1, -(2 ** 63), 2 ** 63 - 1, 2 ** 63, 2 ** 63 + 1000,
+             2 ** 64 - 1]
+    assert_same_decisions(java_cp, [assignment(f"nbytes {n}", nbytes=n) for n in sizes],
+                          ["ACCEPT", "ACCEPT"] + [f"REFUSE head of {n} bytes: at most {D.MAX_HEAD_BYTES}"
+                                                  for n in sizes[2:]], words=99)
+    ids = [-(2 ** 63), -1, 2 ** 63, 2 ** 64 - 1]
+    past = [2 ** 64, 2 ** 64 + 1000, 2 ** 70, -(2 ** 63) - 1]
+    cases = [assignment(f"model_id {m}", model_id=m) for m in ids] + \
+        [assignment(f"{field} {v}", **{field: v}) for field in ("nbytes", "model_id") for v in past]
+    assert_same_decisions(java_cp, cases, ["ACCEPT"] * len(ids) + ["REFUSE"] * 2 * len(past))
 
 
 def artifact(name: str, tensors: dict, asked: str = hashlib.sha256(b"head").hexdigest()) -> dict:

@@ -254,8 +254,12 @@ public final class ModelSlot {
         }
         if (!RUN.equals(action)) throw new Envelope.EnvelopeError("unknown deployment action " + action);
         if (!(b.get("nbytes") instanceof BigInteger)) throw new Envelope.EnvelopeError("nbytes must be an integer");
-        long nbytes = ((BigInteger) b.get("nbytes")).longValue();
-        if (nbytes <= 0 || nbytes > HeadFile.MAX_HEAD_BYTES) throw new Envelope.EnvelopeError("head of " + nbytes + " bytes");
+        // checked whole, as the Python device checks it: longValue() wraps 2^63 .. 2^64 - 1 (integers the
+        // wire takes) to a negative count, which was refused naming that count, not the one sent
+        BigInteger bigNbytes = (BigInteger) b.get("nbytes");
+        if (bigNbytes.signum() <= 0 || bigNbytes.compareTo(BigInteger.valueOf(HeadFile.MAX_HEAD_BYTES)) > 0)
+            throw new Envelope.EnvelopeError("head of " + bigNbytes + " bytes: at most " + HeadFile.MAX_HEAD_BYTES);
+        long nbytes = bigNbytes.longValue();
         // not used here, but part of a run (docs/protocol.md "Messages"): one without it is refused, as by the Python device
         if (!(b.get("model_id") instanceof BigInteger)) throw new Envelope.EnvelopeError("model_id must be an integer");
         Object bundle = b.get("bundle_sha256");
