@@ -104,10 +104,10 @@ def test_one_round_through_job_handlers_and_wire_equals_weighted_mean():
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda p, t: t.clear(), "no head tensors"),
-    (lambda p, t: t.update(weight=np.zeros((C + 1, D), np.float32)), "shapes"),
+    (lambda p, t: t.clear(), "no head tensor 'weight'"),
+    (lambda p, t: t.update(weight=np.zeros((C + 1, D), np.float32)), "has shape"),
     (lambda p, t: t.update(bias=np.array([np.nan] * C, np.float32)), "NaN"),
-    (lambda p, t: p.update(num_classes=C - 1, feature_dim=D), "shapes|outside"),
+    (lambda p, t: p.update(num_classes=C - 1, feature_dim=D), "has shape|outside"),
     (lambda p, t: p.update(lr=-0.1), "bad fedavg.head params"),
     (lambda p, t: p.pop("backbone"), "bad fedavg.head params"),
 ])

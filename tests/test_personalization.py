@@ -87,13 +87,13 @@ def test_fine_tuning_improves_a_bad_head_and_reports_the_chosen_rate():
 
 
 @pytest.mark.parametrize("params, tensors, match", [
-    (task_params(), {}, "no head tensors"),
-    (task_params(), {"weight": np.zeros((C + 1, D), np.float32), "bias": np.zeros(C + 1, np.float32)}, "do not match"),
+    (task_params(), {}, "no head tensor 'weight'"),
+    (task_params(), {"weight": np.zeros((C + 1, D), np.float32), "bias": np.zeros(C + 1, np.float32)}, "the task's params say"),
     (task_params(), {"weight": np.full((C, D), np.nan, np.float32), "bias": np.zeros(C, np.float32)}, "NaN"),
     (task_params(fallback="maybe"), None, "fallback"),
     (task_params(fp_lrs=[]), None, "fp_lrs"),
     (task_params(num_classes="x"), None, "bad oll.personalize params"),
-    (task_params(num_classes=3), None, "do not match"),
+    (task_params(num_classes=3), None, "the task's params say"),
 ])
 def test_handler_declines_bad_tasks(params, tensors, match):
     xtr, ytr, xte, yte = device_data(2)

@@ -37,7 +37,7 @@ from protocols.payloads.fedavg import KIND, HeadTrainingParams, LocalTraining, e
 
 from ..agent import TaskDeclined
 from .extractors import ExtractorFactory
-from .task_inputs import check_global_head, check_local_labels, extractor_of_dim, local_samples
+from .task_inputs import check_local_labels, extractor_of_dim, global_head, local_samples
 from .local_rules import rule_for
 from .params import read_params
 from .numpy_head import batch_schedule, head_size
@@ -253,13 +253,7 @@ class HeadTrainingTask:
             raise TaskDeclined("no local training data")
         task = read_params(HeadTrainingParams, params, KIND)
         num_classes, feature_dim, recipe = task.model.num_classes, task.feature_dim, task.training
-        if not tensors or "weight" not in tensors or "bias" not in tensors:
-            raise TaskDeclined("fedavg.head task carries no head tensors (weight, bias)")
-        weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
-        if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,):
-            raise TaskDeclined(f"head shapes {weight.shape}, {bias.shape} do not match "
-                               f"({num_classes}, {feature_dim})")
-        check_global_head(weight, bias)
+        weight, bias = global_head(tensors, num_classes, feature_dim, KIND)
         check_local_labels(self.labels, num_classes)
         features = extractor_of_dim(self.extractor_factory, task.model, feature_dim).extract(self.images)
         try:

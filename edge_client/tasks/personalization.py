@@ -33,7 +33,7 @@ from ..agent import TaskDeclined
 from ..oll import OutOfLocalLabels, PersonalizedHead, choose_fp_lr
 from ..state import DeviceStateStore
 from .extractors import ExtractorFactory
-from .task_inputs import check_global_head, check_local_labels, extractor_of_dim, local_samples
+from .task_inputs import check_local_labels, extractor_of_dim, global_head, local_samples
 from .head_training import LocalTraining
 from .params import read_params
 from .tail_personalization import TailFineTuning, masked_head
@@ -67,12 +67,7 @@ class PersonalizeTask:
         task = read_params(PersonalizeParams, params, KIND)
         num_classes, feature_dim, tail_stages = task.model.num_classes, task.feature_dim, task.tail_stages
         fp_epochs, lrs, folds, recipe = task.fp_epochs, [float(lr) for lr in task.fp_lrs], task.fp_folds, task.recipe()
-        if not tensors or "weight" not in tensors or "bias" not in tensors:
-            raise TaskDeclined("oll.personalize task carries no head tensors (weight, bias)")
-        weight, bias = np.asarray(tensors["weight"]), np.asarray(tensors["bias"])
-        if weight.shape != (num_classes, feature_dim) or bias.shape != (num_classes,):
-            raise TaskDeclined(f"head shapes {weight.shape}, {bias.shape} do not match ({num_classes}, {feature_dim})")
-        check_global_head(weight, bias)
+        weight, bias = global_head(tensors, num_classes, feature_dim, KIND)
         for labels in (self.train_labels, self.test_labels):
             check_local_labels(labels, num_classes)
         if tail_stages:

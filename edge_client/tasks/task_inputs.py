@@ -38,6 +38,32 @@ def check_local_labels(labels: np.ndarray, num_classes: int) -> None:
         raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
 
 
+def head_tensor(tensors: dict | None, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """The task's global head tensor ``name`` as float32 (what the device trains): float32 or float64
+    of exactly ``shape``, finite once rounded to float32. TaskDeclined otherwise, with the Java
+    device's reasons in its order (FedAvgHeadTask.headTensor): its presence, shape, dtype, values.
+    An integer head was cast and trained on where the Java device declined it (a review's finding)."""
+    value = (tensors or {}).get(name)
+    if value is None:
+        raise TaskDeclined(f"{kind} task carries no head tensor {name!r} (weight, bias)")
+    value = np.asarray(value)
+    if value.shape != shape:
+        raise TaskDeclined(f"head tensor {name} has shape {list(value.shape)}, the task's params say {list(shape)}")
+    if value.dtype not in (np.float32, np.float64):
+        raise TaskDeclined(f"tensor {name!r} must be float32 or float64, got {value.dtype}")
+    with np.errstate(over="ignore"):        # a float64 past float32's range is an infinity: declined
+        value = value.astype(np.float32)
+    if not np.isfinite(value).all():
+        raise TaskDeclined("global head contains NaN or Inf")
+    return value
+
+
+def global_head(tensors: dict | None, num_classes: int, feature_dim: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """The task's (weight (C, d), bias (C,)), each read by :func:`head_tensor`, the weight first."""
+    return (head_tensor(tensors, "weight", (num_classes, feature_dim), kind),
+            head_tensor(tensors, "bias", (num_classes,), kind))
+
+
 def extractor_of_dim(factory: ExtractorFactory, model: ModelSpec, feature_dim: int):
     """The task's extractor (:func:`extractor_for`); TaskDeclined where its features are not
     ``feature_dim`` wide (the head could not take them)."""

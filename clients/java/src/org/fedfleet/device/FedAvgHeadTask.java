@@ -37,8 +37,8 @@ public final class FedAvgHeadTask implements TaskHandler {
         if (data.size() == 0) throw new TaskDeclined("no local training data");
         int numClasses = task.model.numClasses, dim = task.featureDim;
         LocalTraining recipe = task.recipe;
-        float[] weight = headTensor(tensors, "weight", new long[] {numClasses, dim});
-        float[] bias = headTensor(tensors, "bias", new long[] {numClasses});
+        float[] weight = headTensor(KIND, tensors, "weight", new long[] {numClasses, dim});
+        float[] bias = headTensor(KIND, tensors, "bias", new long[] {numClasses});
         int[] labels = LocalFeatures.labels(data, numClasses);
         extractor.checkModel(task.model);
         if (extractor.featureDim() != dim)
@@ -67,8 +67,9 @@ public final class FedAvgHeadTask implements TaskHandler {
         return new Result(body, out);
     }
 
-    /** A float32/float64 head tensor of exactly `shape`, finite, as float32 (what the device trains). */
-    static float[] headTensor(List<Envelope.Tensor> tensors, String name, long[] shape) throws TaskDeclined {
+    /** A float32/float64 head tensor of exactly `shape`, finite, as float32 (what the device trains);
+     *  `kind`: the task's, named when the tensor is absent (the Python device's task_inputs.head_tensor). */
+    static float[] headTensor(String kind, List<Envelope.Tensor> tensors, String name, long[] shape) throws TaskDeclined {
         for (Envelope.Tensor t : tensors) {
             if (!t.name.equals(name)) continue;
             if (!Arrays.equals(t.shape, shape))
@@ -87,7 +88,7 @@ public final class FedAvgHeadTask implements TaskHandler {
             }
             return out;
         }
-        throw new TaskDeclined(KIND + " task carries no head tensor '" + name + "' (weight, bias)");
+        throw new TaskDeclined(kind + " task carries no head tensor '" + name + "' (weight, bias)");
     }
 
     private static double[] widen(float[] v) {

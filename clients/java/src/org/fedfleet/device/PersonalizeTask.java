@@ -42,8 +42,8 @@ public final class PersonalizeTask implements TaskHandler {
         LocalTraining recipe = task.recipe;
         for (Envelope.Tensor t : tensors)
             if (t.name.startsWith("tail.")) throw new TaskDeclined("task carries backbone tail tensors but says tail_stages = 0");
-        float[] weight = FedAvgHeadTask.headTensor(tensors, "weight", new long[] {numClasses, dim});
-        float[] bias = FedAvgHeadTask.headTensor(tensors, "bias", new long[] {numClasses});
+        float[] weight = FedAvgHeadTask.headTensor(KIND, tensors, "weight", new long[] {numClasses, dim});
+        float[] bias = FedAvgHeadTask.headTensor(KIND, tensors, "bias", new long[] {numClasses});
         int[] yTrain = LocalFeatures.labels(train, numClasses), yTest = LocalFeatures.labels(heldOut, numClasses);
         extractor.checkModel(task.model);
         if (extractor.featureDim() != dim)

@@ -71,8 +71,8 @@ public final class SecureFedAvgTask implements SecureTask {
 
     /** The head the task sent (θ_t, `classes` × `dim`), in the round's vector order. */
     static double[] start(List<String> order, int classes, int dim, List<Envelope.Tensor> tensors) throws TaskDeclined {
-        return inOrder(order, FedAvgHeadTask.headTensor(tensors, "weight", new long[] {classes, dim}),
-                FedAvgHeadTask.headTensor(tensors, "bias", new long[] {classes}));
+        return inOrder(order, FedAvgHeadTask.headTensor(FedAvgHeadTask.KIND, tensors, "weight", new long[] {classes, dim}),
+                FedAvgHeadTask.headTensor(FedAvgHeadTask.KIND, tensors, "bias", new long[] {classes}));
     }
 
     /** θ_k − θ_t clipped to clipNorm as one vector over both tensors (protocols/clipping.py clip_update). */

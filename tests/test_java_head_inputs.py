@@ -1,0 +1,79 @@
+"""A task's global head as both devices read it: ``fedavg.head`` and ``oll.personalize`` (and the
+secure FedAvg round, which trains through the plain handler) take a weight (C, d) and a bias (C,)
+of float32 or float64, finite once rounded to float32, and decline anything else with the same
+reason, in the same order (one tensor at a time: its presence, its shape, its dtype, its values).
+
+What a review found (an aggregator sending a head whose dtype or shape disagrees with its params):
+the Python device trained on an integer head (int32, uint8: cast to float32) that the Java device
+declined; gave other words for a missing or misshapen tensor ("head shapes (6, 4), (4,) do not
+match (4, 6)" against "head tensor weight has shape [6, 4], the task's params say [4, 6]") and
+checked both tensors' shapes before either's values, so a head with a NaN weight and a short bias
+got two different reasons; failed a float64 head past float32's range with an error out of
+train_head where the Java device declined "global head contains NaN or Inf"; and the Java
+device's personalization said "fedavg.head task carries no head tensor".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import java_build
+from fuzz_device import PrecomputedFeatures
+from java_tasks import C, D, RECIPE, device_data, java_cp, personal_data, run_java_task  # noqa: F401 (java_cp: a fixture)
+from test_java_personalization import PERSONALIZE, java_personalize
+
+from edge_client.agent import TaskDeclined
+from edge_client.tasks.head_training import HeadTrainingTask
+from edge_client.tasks.personalization import PersonalizeTask
+
+pytestmark = pytest.mark.skipif(java_build.missing() is not None, reason=str(java_build.missing()))
+
+W = np.random.default_rng(5).normal(size=(C, D)).astype(np.float32)
+B = np.zeros(C, np.float32)
+HEADS = {
+    "float64 head": {"weight": W.astype(np.float64), "bias": B.astype(np.float64)},
+    "int32 weight": {"weight": W.astype(np.int32), "bias": B},
+    "uint8 bias": {"weight": W, "bias": B.astype(np.uint8)},
+    "int64 weight": {"weight": W.astype(np.int64), "bias": B},
+    "transposed weight": {"weight": W.T.copy(), "bias": B},
+    "weight of three axes": {"weight": W[None], "bias": B},
+    "short bias": {"weight": W, "bias": B[:2]},
+    "no bias": {"weight": W},
+    "no weight": {"bias": B},
+    "no head": {},
+    "NaN weight and short bias": {"weight": np.full((C, D), np.nan, np.float32), "bias": B[:2]},
+    "int8 weight and short bias": {"weight": np.zeros((C, D), np.int8), "bias": B[:1]},
+    "float64 past float32's range": {"weight": np.full((C, D), 1e300), "bias": B},
+    "empty head": {"weight": np.zeros((0, D), np.float32), "bias": np.zeros(0, np.float32)},
+}
+
+
+def python_answer(handler, params: dict, tensors: dict) -> str:
+    try:
+        handler(params, dict(tensors))
+    except TaskDeclined as exc:
+        return f"DECLINED {exc}"
+    return "DONE"
+
+
+def java_answer(out: str) -> str:
+    return out.splitlines()[0].strip() if out.startswith("DECLINED") else "DONE"
+
+
+@pytest.mark.parametrize("case", sorted(HEADS))
+def test_fedavg_head_tasks_are_read_alike(java_cp, tmp_path, case):
+    data = device_data(0)
+    factory = lambda b, s, w: PrecomputedFeatures(D)       # noqa: E731
+    out, _ = run_java_task(java_cp, tmp_path, RECIPE, HEADS[case], data)
+    assert python_answer(HeadTrainingTask(*data, factory), RECIPE, HEADS[case]) == java_answer(out)
+
+
+@pytest.mark.parametrize("case", sorted(HEADS))
+def test_personalization_tasks_are_read_alike(java_cp, tmp_path, case):
+    train, held_out = personal_data(1, 30, [0, 1]), personal_data(2, 20, [0, 1, 2])
+    factory = lambda b, s, w: PrecomputedFeatures(D)       # noqa: E731
+    params = {**PERSONALIZE, "fp_epochs": 0}
+    out, _, _ = java_personalize(java_cp, tmp_path, params, HEADS[case], train, held_out)
+    assert python_answer(PersonalizeTask(*train, *held_out, factory), params, HEADS[case]) == java_answer(out)
+
