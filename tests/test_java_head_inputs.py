@@ -10,7 +10,9 @@ match (4, 6)" against "head tensor weight has shape [6, 4], the task's params sa
 checked both tensors' shapes before either's values, so a head with a NaN weight and a short bias
 got two different reasons; failed a float64 head past float32's range with an error out of
 train_head where the Java device declined "global head contains NaN or Inf"; and the Java
-device's personalization said "fedavg.head task carries no head tensor".
+device's personalization said "fedavg.head task carries no head tensor". A device's local label
+outside the job's classes was quoted as its largest by the Python device (fed3r.stats took a
+negative one), as its first by the Java device.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import pytest
 
 import java_build
 from fuzz_device import PrecomputedFeatures
-from java_tasks import C, D, RECIPE, device_data, java_cp, personal_data, run_java_task  # noqa: F401 (java_cp: a fixture)
+from java_tasks import C, D, FED3R_PARAMS, RECIPE, device_data, java_cp, personal_data, run_java_task  # noqa: F401 (java_cp: a fixture)
 from test_java_personalization import PERSONALIZE, java_personalize
 
 from edge_client.agent import TaskDeclined
+from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.head_training import HeadTrainingTask
 from edge_client.tasks.personalization import PersonalizeTask
 
@@ -77,3 +80,21 @@ def test_personalization_tasks_are_read_alike(java_cp, tmp_path, case):
     out, _, _ = java_personalize(java_cp, tmp_path, params, HEADS[case], train, held_out)
     assert python_answer(PersonalizeTask(*train, *held_out, factory), params, HEADS[case]) == java_answer(out)
 
+
+
+@pytest.mark.parametrize("labels", [[0, 2, 3], [0, -1, 3]])
+@pytest.mark.parametrize("kind", ["fedavg.head", "fed3r.stats"])
+def test_a_local_label_outside_the_jobs_classes_is_quoted_alike(java_cp, tmp_path, kind, labels):
+    """The first such label in the device's data, by both devices (a larger one comes after it)."""
+    Z, y = device_data(0)
+    y = y.copy()
+    y[:3] = labels
+    factory = lambda b, s, w: PrecomputedFeatures(D)       # noqa: E731
+    if kind == "fedavg.head":
+        params, handler = {**RECIPE, "num_classes": 2}, HeadTrainingTask(Z, y, factory)
+        head = {"weight": np.zeros((2, D), np.float32), "bias": np.zeros(2, np.float32)}
+    else:
+        params, handler, head = {**FED3R_PARAMS, "num_classes": 2}, Fed3RStatsTask(Z, y, factory), {}
+    out, _ = run_java_task(java_cp, tmp_path, params, head, (Z, y), kind=kind)
+    expected = f"DECLINED local label {labels[1]} outside the job's 2 classes"
+    assert python_answer(handler, params, head) == java_answer(out) == expected

@@ -27,7 +27,7 @@ from ..fed3r import Fed3RAccumulator
 from ..sample_windows import SampleWindowLedger
 from .extractors import ExtractorFactory, extractor_for
 from .params import read_params
-from .task_inputs import local_samples
+from .task_inputs import check_local_labels, local_samples
 
 
 DEFAULT_MEMORY_BUDGET = 256 * 1024 * 1024
@@ -64,8 +64,7 @@ class Fed3RStatsTask:
         if start == len(self.images):
             raise TaskDeclined("no new samples")
         images, labels = self.images[start:], self.labels[start:]
-        if labels.max() >= num_classes:
-            raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
+        check_local_labels(labels, num_classes)
         extractor = extractor_for(self.extractor_factory, task.model)
         cap = task.sample_cap
         if cap is not None and not task.weighs_samples:

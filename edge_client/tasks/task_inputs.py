@@ -33,9 +33,11 @@ def check_global_head(weight: np.ndarray, bias: np.ndarray) -> None:
 
 
 def check_local_labels(labels: np.ndarray, num_classes: int) -> None:
-    """TaskDeclined where a local label is not one of the job's ``num_classes`` classes."""
-    if labels.min() < 0 or labels.max() >= num_classes:
-        raise TaskDeclined(f"local label {labels.max()} outside the job's {num_classes} classes")
+    """TaskDeclined where a local label is not one of the job's ``num_classes`` classes, quoting the
+    first such label in the data's order (the Java device's LocalFeatures.labels)."""
+    outside = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if len(outside):
+        raise TaskDeclined(f"local label {labels[outside[0]]} outside the job's {num_classes} classes")
 
 
 def head_tensor(tensors: dict | None, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
