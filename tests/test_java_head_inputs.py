@@ -98,3 +98,25 @@ def test_a_local_label_outside_the_jobs_classes_is_quoted_alike(java_cp, tmp_pat
     out, _ = run_java_task(java_cp, tmp_path, params, head, (Z, y), kind=kind)
     expected = f"DECLINED local label {labels[1]} outside the job's 2 classes"
     assert python_answer(handler, params, head) == java_answer(out) == expected
+
+
+CENTERS = {
+    "int32 center": np.arange(D, dtype=np.int32),
+    "float32 center": np.linspace(-1, 1, D).astype(np.float32),
+    "short center": np.zeros(D - 1),
+    "center of two axes": np.zeros((1, D)),
+    "NaN center": np.full(D, np.nan),
+    "int8 center of two axes": np.zeros((1, D), np.int8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CENTERS) + ["no center"])
+def test_a_centered_fed3r_tasks_feature_center_is_read_alike(java_cp, tmp_path, case):
+    """A centered fed3r.stats task's feature_center: float32 or float64 (the Python device took an
+    integer one), the feature dimension's values, finite; the same reason for each."""
+    Z, y = device_data(0)
+    factory = lambda b, s, w: PrecomputedFeatures(D)       # noqa: E731
+    params = {**FED3R_PARAMS, "feature_clip_norm": 4.0, "centered": True}
+    tensors = {} if case == "no center" else {"feature_center": CENTERS[case]}
+    out, _ = run_java_task(java_cp, tmp_path, params, tensors, (Z, y), kind="fed3r.stats")
+    assert python_answer(Fed3RStatsTask(Z, y, factory), params, tensors) == java_answer(out)

@@ -116,10 +116,15 @@ def feature_center(task: Fed3RStatsParams, tensors: dict | None, feature_dim: in
     center = (tensors or {}).get(CENTER_TENSOR)
     if center is None:
         raise TaskDeclined(f"a centered {KIND} task without its {CENTER_TENSOR!r} tensor")
-    center = np.asarray(center, dtype=np.float64)
-    if center.shape != (feature_dim,) or not np.isfinite(center).all():
-        raise TaskDeclined(f"{CENTER_TENSOR} must be {feature_dim} finite values, got shape {center.shape}")
-    return center
+    center = np.asarray(center)
+    # the Java device's order and words (Fed3RStatsTask.featureCenter): an integer center was taken
+    if center.dtype not in (np.float32, np.float64):
+        raise TaskDeclined(f"tensor {CENTER_TENSOR!r} must be float32 or float64, got {center.dtype}")
+    if center.shape != (feature_dim,):
+        raise TaskDeclined(f"{CENTER_TENSOR} must be {feature_dim} finite values, got shape {list(center.shape)}")
+    if not np.isfinite(center).all():
+        raise TaskDeclined(f"{CENTER_TENSOR} must be {feature_dim} finite values")
+    return center.astype(np.float64)
 
 
 def encode_smallest(acc: Fed3RAccumulator, num_classes: int, dense: bool, dtype: str):
