@@ -34,6 +34,9 @@ from aggregator.storage.store import Store
 log = logging.getLogger("fedfleet.aggregator.shard")
 
 HELD_BYTES = 64 << 20       # outbox messages a shard keeps while it has no job (devices re-send the rest)
+# for a shard's pipe to take a command (its reader thread takes each at once; a full pipe waits only
+# on a shard that stopped reading): one that takes none this long is hung, killed and restarted
+COMMAND_TIMEOUT_S = 60.0
 
 
 def _held_bytes(item: tuple[str, bytes]) -> int:
@@ -225,16 +228,55 @@ def _command(ingest: ShardIngest, conn, cmd: tuple) -> bool:
     return cmd[0] != "stop"
 
 
+class PipeCommands:
+    """One local shard's commands, written to its pipe in order by a thread of their own (as a Ray
+    shard's ``ActorCommands``): a sender only queues one. A shard that stopped reading (stopped, or
+    stuck holding the GIL) lets its pipe fill, and the write that then waits holds up no caller: the
+    service thread waited on it for ever, under the pool's ``send_lock`` (a review's finding)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.failed: str | None = None          # why a command could not be written (a broken pipe)
+        self._writing_since: float | None = None
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._deliver, daemon=True).start()
+
+    def put(self, command: tuple) -> None:
+        self._queue.put(command)
+
+    def close(self) -> None:
+        """Write nothing more (a successor has its own)."""
+        self._queue.put(None)
+
+    def blocked_for(self, now: float) -> float:
+        """How long the write in progress has waited for the shard to read (0: none waits)."""
+        since = self._writing_since
+        return 0.0 if since is None else now - since
+
+    def _deliver(self) -> None:
+        while (command := self._queue.get()) is not None:
+            self._writing_since = time.monotonic()
+            try:
+                self.conn.send(command)
+            except Exception as exc:    # its pipe broke (it died): the commands after it go with it
+                self.failed = f"{type(exc).__name__}: {exc}"
+                return
+            self._writing_since = None
+
+
 class LocalShards(ShardPool):
     """The shards as processes on this machine (forked from the service's fork server:
-    ``aggregator/compute/fork_server.py``), a pipe each."""
+    ``aggregator/compute/fork_server.py``), a pipe each. ``command_timeout_s``: how long a shard's
+    pipe may take a command before the shard counts as hung (killed, then restarted on its store)."""
 
     def __init__(self, shards: int, broker: BrokerConfig, store_dir: Path, topics: Topics = Topics(),
-                 max_message_bytes: int = 256 * 1024 * 1024, reply_timeout_s: float = 600.0):
+                 max_message_bytes: int = 256 * 1024 * 1024, reply_timeout_s: float = 600.0,
+                 command_timeout_s: float = COMMAND_TIMEOUT_S):
         super().__init__(shards, broker, store_dir, topics, max_message_bytes, reply_timeout_s)
+        self.command_timeout_s = command_timeout_s
         self._ctx = fork_server_context(__name__)
         self._procs: list = [None] * shards
-        self._conns: list = [None] * shards
+        self._commands: list[PipeCommands | None] = [None] * shards
 
     def _launch(self, index: int) -> None:
         ours, theirs = self._ctx.Pipe()
@@ -242,7 +284,9 @@ class LocalShards(ShardPool):
                                  args=(*self.shard_args(index), theirs))
         proc.start()
         theirs.close()
-        self._procs[index], self._conns[index] = proc, ours
+        if self._commands[index] is not None:   # its predecessor's: never written to the new pipe
+            self._commands[index].close()
+        self._procs[index], self._commands[index] = proc, PipeCommands(ours)
         threading.Thread(target=self._read, args=(index, ours), daemon=True).start()
 
     def _read(self, index: int, conn) -> None:
@@ -253,17 +297,28 @@ class LocalShards(ShardPool):
             return
 
     def _send(self, index: int, command: tuple) -> None:
-        try:
-            with self.send_lock:            # a pipe's sends from two threads at once would interleave
-                self._conns[index].send(command)
-        except (OSError, ValueError):       # it died: watch() restarts it
-            pass
+        with self.send_lock:                # the pool's order, across threads
+            self._commands[index].put(command)
 
     def _exited(self, index: int) -> str | None:
-        proc = self._procs[index]
-        return None if proc is None or proc.exitcode is None else f"code {proc.exitcode}"
+        """How shard ``index`` ended; one whose pipe took no command for ``command_timeout_s`` is
+        hung (it reads no result either): killed here, so it is restarted as a dead one is."""
+        proc, commands = self._procs[index], self._commands[index]
+        if proc is None:
+            return None
+        hung = (f"took no command for {self.command_timeout_s:.0f} s"
+                if commands.blocked_for(time.monotonic()) > self.command_timeout_s else None)
+        if proc.exitcode is None and (why := commands.failed or hung):
+            # a shard that cannot be told its commands would serve the job deaf: its successor is told them all
+            log.error("shard %d %s: killed, to be restarted on its store", index, why)
+            proc.kill()
+            proc.join(10)
+        return None if proc.exitcode is None else f"code {proc.exitcode}"
 
     def _stop(self) -> None:
+        for commands in self._commands:     # each writes its ("stop",), then ends
+            if commands is not None:
+                commands.close()
         for proc in self._procs:
             if proc is not None:
                 proc.join(timeout=10)
