@@ -48,3 +48,25 @@ def test_a_shard_that_stops_reading_its_pipe_holds_up_no_command_and_is_restarte
         with contextlib.suppress(ProcessLookupError):       # killed by the pool, as it should be
             os.kill(stopped, signal.SIGKILL)
         pool.close()
+
+
+def test_closing_the_pool_ends_a_shard_that_stopped_even_one_deaf_to_sigterm(broker, tmp_path):
+    """A review's finding: ``close()`` waited 10 s for each shard, then sent SIGTERM, which a stopped
+    process never acts on: the shard outlived its pool, and the coordinator hung at its own exit
+    (multiprocessing joins its daemon children there, for ever). Now a shard still running after its
+    wait is SIGKILLed (everything it stored is durable: a kill is what a restart resumes from)."""
+    from aggregator.shards.local import LocalShards
+    from protocols.mqtt_link import BrokerConfig
+
+    pool = LocalShards(2, BrokerConfig.from_url(broker.url), tmp_path / "shards")
+    pool.start(lambda item: None, timeout_s=120)
+    stopped = pool._procs[1]
+    try:
+        pool.set_job(build_job("fed3r", CONFIG), "fed3r")
+        os.kill(stopped.pid, signal.SIGSTOP)
+        pool.close()
+        assert stopped.exitcode is not None and pool._procs[0].exitcode == 0
+    finally:
+        if stopped.exitcode is None:
+            os.kill(stopped.pid, signal.SIGKILL)
+            stopped.join(10)

@@ -322,5 +322,6 @@ class LocalShards(ShardPool):
         for proc in self._procs:
             if proc is not None:
                 proc.join(timeout=10)
-                if proc.exitcode is None:
-                    proc.terminate()
+                if proc.exitcode is None:   # SIGKILL: a stopped one never acts on SIGTERM; its store is durable
+                    proc.kill()
+                    proc.join(timeout=10)
