@@ -97,6 +97,12 @@ class AdditiveState(ABC):
 def add_elementwise(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if left.keys() != right.keys():
         raise ValueError(f"partial states hold {sorted(right)} and {sorted(left)}")
+    # numpy would broadcast a (1, d) into a (c, d) and sum without a word: one config makes every
+    # shard's shapes equal, so a difference is a shard of another job or version
+    mismatched = sorted(k for k in left if np.shape(left[k]) != np.shape(right[k]))
+    if mismatched:
+        raise ValueError("partial states' shapes differ: " + ", ".join(
+            f"{k} {list(np.shape(left[k]))} and {list(np.shape(right[k]))}" for k in mismatched))
     return {k: left[k] + right[k] for k in left}
 
 
