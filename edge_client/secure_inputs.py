@@ -43,13 +43,21 @@ isolate. Distributed-DP rounds are named by their params (noise scale included) 
 noise, so their re-sends are held too. docs/secure-aggregation.md, "Threat model", says more.
 
 **Kept** in the device's state folder (``secure_inputs.json``, canonical JSON: the Java device
-writes the same bytes and reads this file), else in memory for the process's life. Bounded: ``MAX_INPUTS`` entries, the oldest forgotten first (a secure FedAvg device adds one
-a round). A file that cannot be read (damaged, too large, not ours) fails closed: every secure
-input is refused with ``LOST_REASON`` until an operator repairs it or moves it aside.
+writes the same bytes and reads this file), else in memory for the process's life. Bounded:
+``MAX_INPUTS`` entries, the oldest forgotten first (a secure FedAvg device adds one a round). A
+forgotten input is never new again: its key goes into a Bloom filter of forgotten inputs (2^20
+bits, ``FORGOTTEN_PROBES`` positions per key cut from the key itself: ``forgotten_positions``),
+kept in the same file once something was forgotten, and a key not kept but in the filter is
+refused (``FORGOTTEN_REASON``), else an aggregator could push an input out with 1,024 tasks of
+other inputs and regroup it. A false positive only makes the device sit a round out (about 0.65%
+of new inputs at 100,000 forgotten, 12% at 200,000). A file that cannot be read (damaged, too
+large, not ours, a malformed filter) fails closed: every secure input is refused with
+``LOST_REASON`` until an operator repairs it or moves it aside.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import threading
@@ -68,11 +76,17 @@ log = logging.getLogger("fedfleet.device")
 SECURE_INPUTS_FILE = "secure_inputs.json"
 MAX_INPUTS = 1024
 DIGEST_HEX = 32         # 128 bits of SHA-256: a collision would need 2^64 inputs
-# each entry ["<32 hex>", "<32 hex>"] is 72 bytes
-MAX_FILE_BYTES = 80 * MAX_INPUTS + 64
+FORGOTTEN_BITS = 1 << 20      # m: the forgotten inputs' Bloom filter, 128 KiB
+FORGOTTEN_PROBES = 7          # k: positions per key (forgotten_positions)
+FORGOTTEN_TEXT = 4 * ((FORGOTTEN_BITS // 8 + 2) // 3)     # its base64 in the file: 174,764 characters
+# each entry ["<32 hex>", "<32 hex>"] is 72 bytes; "forgotten":"<base64>", is 15 more than the base64
+MAX_FILE_BYTES = 80 * MAX_INPUTS + 64 + FORGOTTEN_TEXT + 16
 OTHER_MEMBERS_REASON = ("this device's input to this task already went to a secure round of other members: "
                         "revealed over these too, the two sums could be differenced (multi-round leakage), so it "
                         "takes part only in a round of those same members")
+FORGOTTEN_REASON = ("this device forgot which members its input to this task went to (its secure-input ledger keeps "
+                    f"the newest {MAX_INPUTS} inputs): revealed over others, the sums could be differenced "
+                    "(multi-round leakage), so it sends this input to no secure round again")
 LOST_REASON = (f"this device's secure-input ledger ({SECURE_INPUTS_FILE} in its state folder) could not be read: it "
                "sends no secure input until an operator repairs that file or moves it aside")
 
@@ -101,6 +115,15 @@ def input_key(kind: str, params: dict, tensors: dict[str, np.ndarray]) -> str:
     return h.hexdigest()[:DIGEST_HEX]
 
 
+def forgotten_positions(key: str) -> list[int]:
+    """The forgotten-inputs filter's bit positions of an input key (docs/secure-aggregation.md, "The
+    secure-input ledger's digests"): position i (0 to FORGOTTEN_PROBES - 1) is the 20-bit number
+    whose 5 hex digits start at digit 5·i of the 32-digit key, wrapping past its last digit to its
+    first (the seventh: digits 30, 31, 0, 1, 2). The key is already 128 bits of SHA-256."""
+    around = key + key
+    return [int(around[5 * i:5 * i + 5], 16) for i in range(FORGOTTEN_PROBES)]
+
+
 def vector_key(kind: str, vector: np.ndarray) -> str:
     """The key of an input named by its vector itself (Fed3R-Sync's statistics before noise): the
     ``input_key`` of ``kind``, no params, and the vector as the float64 tensor ``input``."""
@@ -118,6 +141,8 @@ class SecureInputLedger:
         # keys whose set kept a round not the input's first sent its masked input on: fixed, its
         # first round may no longer narrow it to its survivors (the other may be revealed over it)
         self._relied: set[str] = set()
+        # the Bloom filter of the keys forgotten (bit p: byte p // 8, value 1 << p % 8); None until one is
+        self._forgotten: bytearray | None = None
         self.lost: str | None = None
         if self.path is not None:
             self._load()
@@ -138,6 +163,8 @@ class SecureInputLedger:
                 return LOST_REASON, False
             digest = member_digest(participants)
             if key not in self._kept:
+                if self._was_forgotten(key):        # its set is unknown now: new it is not
+                    return FORGOTTEN_REASON, False
                 return self._keep(key, digest), True
             if self._kept[key] != digest:
                 return OTHER_MEMBERS_REASON, False
@@ -148,13 +175,19 @@ class SecureInputLedger:
         with self._lock:
             if self.lost is not None and self._load() is not None:
                 return LOST_REASON
+            if key not in self._kept and self._was_forgotten(key):     # pushed out since its masked input left
+                return FORGOTTEN_REASON
             digest = member_digest(survivors)
             if first and key not in self._relied:       # the set this round revealed it over is now known
                 return self._keep(key, digest)
             return None if self._kept.get(key) == digest else OTHER_MEMBERS_REASON
 
+    def _was_forgotten(self, key: str) -> bool:
+        bits = self._forgotten
+        return bits is not None and all(bits[p >> 3] >> (p & 7) & 1 for p in forgotten_positions(key))
+
     def _keep(self, key: str, digest: str) -> str | None:
-        before = dict(self._kept)
+        before = dict(self._kept), self._forgotten
         self._kept.pop(key, None)
         self._kept[key] = digest
         self._relied.discard(key)                    # kept anew: no other round sent on this set yet
@@ -162,13 +195,19 @@ class SecureInputLedger:
             oldest = next(iter(self._kept))
             del self._kept[oldest]
             self._relied.discard(oldest)
+            if self._forgotten is before[1]:         # a copy: a failed write keeps the old filter
+                self._forgotten = bytearray(self._forgotten or FORGOTTEN_BITS // 8)
+            for p in forgotten_positions(oldest):
+                self._forgotten[p >> 3] |= 1 << (p & 7)
         if self.path is None:
             return None
+        doc: dict = {"inputs": [[k, v] for k, v in self._kept.items()]}
+        if self._forgotten is not None:
+            doc["forgotten"] = base64.b64encode(self._forgotten).decode("ascii")
         try:
-            write_atomic(self.path, canonical_json({"inputs": [[k, v] for k, v in self._kept.items()]}),
-                         temp_prefix=TEMP_PREFIX)
+            write_atomic(self.path, canonical_json(doc), temp_prefix=TEMP_PREFIX)
         except OSError as exc:
-            self._kept = before              # not remembered across a restart: not sent
+            self._kept, self._forgotten = before     # not remembered across a restart: not sent
             log.warning("writing the device's secure inputs %s failed (%s)", self.path, str(exc)[:200])
             return f"this device could not write down its secure input ({type(exc).__name__}): it is not sent"
         return None
@@ -182,9 +221,9 @@ class SecureInputLedger:
     def _load(self) -> str | None:
         """Read the kept file (a missing one: nothing kept); ``lost`` and returned: why it cannot be."""
         try:
-            self._kept = checked_inputs(parse_strict_json(read_small_file(self.path, MAX_FILE_BYTES)))
+            self._kept, self._forgotten = checked_file(parse_strict_json(read_small_file(self.path, MAX_FILE_BYTES)))
         except FileNotFoundError:
-            self._kept = {}
+            self._kept, self._forgotten = {}, None
         except (OSError, ValueError, RecursionError) as exc:
             why = str(exc)[:200]
             if why != self.lost:
@@ -211,10 +250,11 @@ class InputRelease:
         return self.ledger._unmask(self.key, survivors, self.first)
 
 
-def checked_inputs(doc) -> dict[str, str]:
-    """The file's entries: ``{"inputs": [[key, member digest], ...]}``, distinct hex keys, oldest first."""
-    if not isinstance(doc, dict) or set(doc) != {"inputs"} or not isinstance(doc["inputs"], list):
-        raise ValueError('not {"inputs": [...]}')
+def checked_file(doc) -> tuple[dict[str, str], bytearray | None]:
+    """The file's entries, ``{"inputs": [[key, member digest], ...]}``, distinct hex keys, oldest
+    first, and its forgotten-inputs filter (``"forgotten"``, present once something was forgotten)."""
+    if not isinstance(doc, dict) or set(doc) - {"forgotten"} != {"inputs"} or not isinstance(doc["inputs"], list):
+        raise ValueError('not {"inputs": [...]} (and "forgotten")')
     kept: dict[str, str] = {}
     for entry in doc["inputs"]:
         if not isinstance(entry, list) or len(entry) != 2 or not all(map(_is_digest, entry)) or entry[0] in kept:
@@ -222,12 +262,27 @@ def checked_inputs(doc) -> dict[str, str]:
         kept[entry[0]] = entry[1]
     if len(kept) > MAX_INPUTS:
         raise ValueError(f"{len(kept)} entries, at most {MAX_INPUTS}")
-    return kept
+    return kept, None if "forgotten" not in doc else _checked_filter(doc["forgotten"])
+
+
+def _checked_filter(text) -> bytearray:
+    """The filter's bits from its base64 (RFC 4648, padded), exactly FORGOTTEN_BITS, written as this
+    device would write them (no other spelling: the two SDKs must accept the same files)."""
+    why = "a forgotten-inputs filter that is not the base64 of 2^20 bits"
+    if not isinstance(text, str) or len(text) != FORGOTTEN_TEXT or not text.isascii():
+        raise ValueError(why)
+    try:
+        bits = base64.b64decode(text, validate=True)
+    except ValueError:                          # binascii.Error: a character or padding out of place
+        raise ValueError(why) from None
+    if len(bits) != FORGOTTEN_BITS // 8 or base64.b64encode(bits).decode("ascii") != text:
+        raise ValueError(why)
+    return bytearray(bits)
 
 
 def _is_digest(value) -> bool:
     return isinstance(value, str) and len(value) == DIGEST_HEX and all(c in "0123456789abcdef" for c in value)
 
 
-__all__ = ["LOST_REASON", "MAX_INPUTS", "OTHER_MEMBERS_REASON", "SECURE_INPUTS_FILE",
-           "SecureInputLedger", "input_key", "member_digest", "vector_key"]
+__all__ = ["FORGOTTEN_REASON", "LOST_REASON", "MAX_INPUTS", "OTHER_MEMBERS_REASON", "SECURE_INPUTS_FILE",
+           "SecureInputLedger", "forgotten_positions", "input_key", "member_digest", "vector_key"]

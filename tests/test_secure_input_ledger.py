@@ -6,9 +6,13 @@ whose total is four times everyone's, so each device's statistics are the total 
 without it: exact, by subtraction. Real devices here: ``SecureFed3R`` handlers, their SecAgg
 clients, and a real ``ServerSecAgg`` as the aggregator, over the wire envelopes."""
 
+import base64
+import json
+
 import numpy as np
 
-from edge_client.secure_inputs import LOST_REASON, OTHER_MEMBERS_REASON, SECURE_INPUTS_FILE, SecureInputLedger
+from edge_client.secure_inputs import (FORGOTTEN_BITS, FORGOTTEN_REASON, LOST_REASON, MAX_INPUTS, OTHER_MEMBERS_REASON,
+                                       SECURE_INPUTS_FILE, SecureInputLedger, input_key)
 from edge_client.tasks.fed3r_stats import Fed3RStatsTask
 from edge_client.tasks.secure_fed3r import SecureFed3R
 from edge_client.tasks.secure_update import SecAggSessions
@@ -273,3 +277,66 @@ def test_a_first_rounds_survivors_become_the_set_kept_unless_another_round_relie
     assert second.unmask(frozenset("uvwy")) is None
     alone = SecureInputLedger().release("b" * 32)                  # no other round: narrowed as before
     assert alone.masked_input(frozenset("uvwy")) is None and alone.unmask(frozenset("uvw")) is None
+
+
+def push_out(ledger, count=MAX_INPUTS):
+    """The aggregator's ``count`` secure tasks with other inputs (one param differs), each answered
+    by the device: its ledger keeps each one, the oldest pushed out."""
+    for i in range(count):
+        other = ledger.release(input_key("fedavg.secure", {"lr": 0.1, "nonce": i}, {}))
+        assert other.masked_input(frozenset("uvwz")) is None
+
+
+def test_an_input_pushed_out_of_the_ledger_is_never_sent_again(tmp_path):
+    """The eviction attack: u's statistics revealed over u, v, w, y; then 1,024 secure tasks with
+    other inputs push them out of u's ledger (it keeps the newest MAX_INPUTS), and the same
+    statistics are asked for again over u, v, w, z. The ledger used to take them for a new input:
+    both sums revealed, their difference with the other groups' isolates u. Now the forgotten key
+    stays in the file's filter, across a restart: u sits the round out, the others' sum goes on
+    (v, w, z here hold no kept set: new partners, or ones pushed out alike)."""
+    for d in DEVICES:
+        (tmp_path / d).mkdir()
+    kept = lambda d: SecureInputLedger(tmp_path / d / SECURE_INPUTS_FILE)     # noqa: E731
+    devices = fleet(kept)
+    first = secure_round(devices, ["u", "v", "w", "y"], 1)
+    assert unpack_sync_vector(first, P, C)[2] == 4 * N
+    statistics = devices["u"].sessions.inputs
+    (key,) = [k for k in statistics._kept]                                     # u's statistics' key
+    push_out(statistics)
+    assert statistics.kept(key) is None                                        # forgotten ...
+    regrouped = {**fleet(), "u": fleet(kept)["u"]}           # u restarted; its partners here bound nothing yet
+    again = secure_round(regrouped, ["u", "v", "w", "z"], 2)
+    assert unpack_sync_vector(again, P, C)[2] == 3 * N                         # ... and never sent again
+    assert kept("u").release(key).masked_input(frozenset("uvwy")) == FORGOTTEN_REASON   # to its old set neither
+
+
+def test_a_first_round_whose_input_was_pushed_out_before_its_unmask_is_refused():
+    """Round A's masked input leaves on u, v, w, y, round B's on the same set (the set is fixed);
+    1,024 other inputs push the key out before A's unmask. A may not narrow the set to its
+    survivors then (B's sum minus A's would be y's input): forgotten, refused."""
+    ledger = SecureInputLedger()
+    a, b = ledger.release("a" * 32), ledger.release("a" * 32)
+    assert a.masked_input(frozenset("uvwy")) is None and b.masked_input(frozenset("uvwy")) is None
+    push_out(ledger)
+    assert a.unmask(frozenset("uvw")) == FORGOTTEN_REASON
+    assert b.unmask(frozenset("uvwy")) == FORGOTTEN_REASON
+    assert ledger.release("a" * 32).masked_input(frozenset("uvwy")) == FORGOTTEN_REASON
+
+
+def test_a_malformed_forgotten_filter_fails_closed(tmp_path):
+    """The filter is the base64 of exactly 2^20 bits, canonical; anything else: LOST_REASON, the
+    file left as it is."""
+    path = tmp_path / SECURE_INPUTS_FILE
+    good = base64.b64encode(bytes(FORGOTTEN_BITS // 8)).decode()
+    for forgotten in (good[:-4], good[:-1] + "A", good[:-4] + "AAAA", good[:-4] + "AA==", "*" + good[1:], 7, None,
+                      good[:-4] + "AB==", "é" + good[1:]):
+        text = json.dumps({"forgotten": forgotten, "inputs": [["a" * 32, "b" * 32]]})
+        path.write_text(text)
+        ledger = SecureInputLedger(path)
+        assert ledger.lost is not None, forgotten
+        assert ledger.release("c" * 32).masked_input(frozenset("uvw")) == LOST_REASON
+        assert path.read_text() == text
+    path.write_text(json.dumps({"forgotten": good}))
+    assert SecureInputLedger(path).lost is not None
+    path.write_text(json.dumps({"forgotten": good, "inputs": []}))                  # well formed: served
+    assert SecureInputLedger(path).release("c" * 32).masked_input(frozenset("uvw")) is None

@@ -6,8 +6,10 @@ the same refusal words. The Java side runs behind tests/java_device/SecureInputS
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,8 +17,9 @@ import numpy as np
 import pytest
 
 import java_build
-from edge_client.secure_inputs import (LOST_REASON, MAX_FILE_BYTES, MAX_INPUTS, OTHER_MEMBERS_REASON,
-                                       SECURE_INPUTS_FILE, SecureInputLedger, input_key, member_digest, vector_key)
+from edge_client.secure_inputs import (FORGOTTEN_REASON, LOST_REASON, MAX_FILE_BYTES, MAX_INPUTS, OTHER_MEMBERS_REASON,
+                                       SECURE_INPUTS_FILE, SecureInputLedger, forgotten_positions, input_key,
+                                       member_digest, vector_key)
 from protocols.envelope import parse_strict_json
 
 GOLDEN = Path(__file__).resolve().parents[1] / "protocols" / "golden" / "secure_inputs.json"
@@ -64,6 +67,47 @@ def test_python_writes_the_golden_file(tmp_path):
     assert (tmp_path / SECURE_INPUTS_FILE).read_text() == doc["file"]
 
 
+def pushed_key(prefix: str, i: int) -> str:
+    return hashlib.sha256(f"{prefix} {i}".encode()).hexdigest()[:32]
+
+
+def push(ledger, n: int, prefix: str, members=frozenset("abc")) -> str | None:
+    """What the Java driver's ``push`` does: n other inputs kept (the oldest pushed out); the first refusal."""
+    for i in range(n):
+        refusal = ledger.release(pushed_key(prefix, i)).masked_input(members)
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def test_the_golden_forgotten_filter_follows_the_spec(tmp_path):
+    """Positions rebuilt from the key as a 128-bit number (seven 20-bit slices from the top, the
+    last wrapping to its first bits), the filter's bytes from the positions (bit p: byte p // 8,
+    value 1 << p % 8), the file from the documented text; Python's ledger writes that file."""
+    doc, forgotten = golden(), golden()["forgotten"]
+    for case in forgotten["cases"]:
+        value = int(case["key"], 16)
+        rotated = value << 128 | value
+        assert case["positions"] == [rotated >> (256 - 20 * (i + 1)) & 0xFFFFF for i in range(7)]
+        assert forgotten_positions(case["key"]) == case["positions"]
+    bits = bytearray(2 ** 20 // 8)
+    for p in forgotten["cases"][0]["positions"]:
+        bits[p // 8] |= 1 << p % 8
+    assert forgotten["filter_bytes"] == [[i, b] for i, b in enumerate(bits) if b]
+    second = member_digest(doc["member_digests"][1]["members"])
+    text = json.dumps({"forgotten": base64.b64encode(bits).decode(),
+                       "inputs": [[pushed_key("push", i), second] for i in range(forgotten["pushed"])]},
+                      separators=(",", ":")).encode()
+    assert (hashlib.sha256(text).hexdigest(), len(text)) == (forgotten["file_sha256"], forgotten["file_bytes"])
+    assert len(text) <= MAX_FILE_BYTES
+    ledger = SecureInputLedger(tmp_path / SECURE_INPUTS_FILE)
+    first = forgotten["cases"][0]["key"]
+    assert ledger.release(first).masked_input(frozenset(doc["member_digests"][0]["members"])) is None
+    assert push(ledger, MAX_INPUTS, "push", frozenset(doc["member_digests"][1]["members"])) is None
+    assert (tmp_path / SECURE_INPUTS_FILE).read_bytes() == text
+    assert SecureInputLedger(tmp_path / SECURE_INPUTS_FILE).release(first).masked_input(frozenset("x")) == FORGOTTEN_REASON
+
+
 class JavaLedger:
     """tests/java_device/SecureInputSteps.java: one command a line, one answer a line."""
 
@@ -98,6 +142,10 @@ def test_java_computes_the_golden_digests_file_and_words():
     assert got["file"] == doc["file"]
     assert (got["other_members"], got["lost"]) == (OTHER_MEMBERS_REASON, LOST_REASON)
     assert (got["max_inputs"], got["max_file_bytes"]) == (MAX_INPUTS, MAX_FILE_BYTES)
+    assert got["forgotten"] == got["forgotten_file_refuses_it"] == FORGOTTEN_REASON
+    assert got["forgotten_positions"] == [c["positions"] for c in doc["forgotten"]["cases"]]
+    assert got["forgotten_bytes"] == doc["forgotten"]["filter_bytes"]
+    assert got["forgotten_file_sha256"] == doc["forgotten"]["file_sha256"]
 
 
 @java_only
@@ -164,3 +212,80 @@ def test_both_sdks_fix_the_set_kept_once_another_round_sent_on_it(tmp_path):
     expected = ["OK"] * 5 + [f"REFUSED {OTHER_MEMBERS_REASON}"] + ["OK"] * 2
     assert python == expected and answers == ["OK", *expected]
     assert ledger.kept(key) == member_digest("abcd")
+
+
+def python_steps(steps) -> list[str]:
+    """The Java driver's steps (open, release, masked, unmask, push) on a Python ledger."""
+    ledger = guard = None
+    answers = []
+    for command, arg in steps:
+        refusal = None
+        if command == "open":
+            ledger = SecureInputLedger(Path(arg) / SECURE_INPUTS_FILE)
+        elif command == "release":
+            guard = ledger.release(arg)
+        elif command == "masked":
+            refusal = guard.masked_input(frozenset(arg.split(",")))
+        elif command == "unmask":
+            refusal = guard.unmask(frozenset(arg.split(",")))
+        else:
+            n, prefix = arg.split(" ", 1)
+            refusal = push(ledger, int(n), prefix)
+        answers.append("OK" if refusal is None else f"REFUSED {refusal}")
+    return answers
+
+
+def java_steps(steps) -> list[str]:
+    java = JavaLedger()
+    try:
+        return [java.step(f"{command} {arg}") for command, arg in steps]
+    finally:
+        java.close()
+
+
+@java_only
+def test_both_sdks_never_send_an_input_pushed_out_of_the_ledger_again(tmp_path):
+    """The eviction attack on each SDK: x revealed over a, b, c; 1,024 other inputs push it out of
+    the ledger (MAX_INPUTS); x offered again, over other members or its own, is refused in the same
+    words (it used to be taken for a new input). Both write the same file, filter included."""
+    x = "5" * 32
+    (tmp_path / "python").mkdir()
+    (tmp_path / "java").mkdir()
+    steps = lambda folder: [("open", str(folder)), ("release", x), ("masked", "a,b,c,d"), ("unmask", "a,b,c"),  # noqa: E731
+                            ("push", f"{MAX_INPUTS} other"), ("release", x), ("masked", "a,b,d"),
+                            ("release", x), ("masked", "a,b,c")]
+    expected = ["OK"] * 6 + [f"REFUSED {FORGOTTEN_REASON}", "OK", f"REFUSED {FORGOTTEN_REASON}"]
+    assert python_steps(steps(tmp_path / "python")) == expected
+    assert java_steps(steps(tmp_path / "java")) == expected
+    written = (tmp_path / "python" / SECURE_INPUTS_FILE).read_bytes()
+    assert b'"forgotten":"' in written and written == (tmp_path / "java" / SECURE_INPUTS_FILE).read_bytes()
+
+
+@java_only
+def test_each_device_reads_the_others_forgotten_filter(tmp_path):
+    """A file with a filter written by one SDK, read by the other: the forgotten input refused, a
+    new one kept, and the rewrite byte for byte what the writer itself writes for the same step.
+    A malformed filter fails closed in both (LOST_REASON)."""
+    x = "6" * 32
+    for writer, reader in (("python", "java"), ("java", "python")):
+        made, own, other = tmp_path / writer, tmp_path / f"{writer}-again", tmp_path / f"{writer}-by-{reader}"
+        made.mkdir()
+        first = [("open", str(made)), ("release", x), ("masked", "a,b,c"), ("push", f"{MAX_INPUTS} {writer}")]
+        assert (python_steps if writer == "python" else java_steps)(first) == ["OK"] * 4
+        shutil.copytree(made, own)
+        shutil.copytree(made, other)
+        then = lambda folder: [("open", str(folder)), ("release", x), ("masked", "a,b,c"),  # noqa: E731
+                               ("release", "7" * 32), ("masked", "x,y")]
+        expected = ["OK", "OK", f"REFUSED {FORGOTTEN_REASON}", "OK", "OK"]
+        assert (python_steps if writer == "python" else java_steps)(then(own)) == expected
+        assert (java_steps if writer == "python" else python_steps)(then(other)) == expected
+        assert (own / SECURE_INPUTS_FILE).read_bytes() == (other / SECURE_INPUTS_FILE).read_bytes()
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    text = (tmp_path / "python" / SECURE_INPUTS_FILE).read_text()
+    at = text.index('"forgotten":"') + len('"forgotten":"')
+    bad = text[:at] + "*" + text[at + 1:]                  # one character out of the alphabet, the length kept
+    (damaged / SECURE_INPUTS_FILE).write_text(bad)
+    steps = [("open", str(damaged)), ("release", "8" * 32), ("masked", "a,b")]
+    assert java_steps(steps) == python_steps(steps) == ["OK", "OK", f"REFUSED {LOST_REASON}"]
+    assert (damaged / SECURE_INPUTS_FILE).read_text() == bad

@@ -11,14 +11,19 @@
 // round of the input sent its masked input on the set kept meanwhile: the set is then fixed). Otherwise the
 // round is left (ClientSecAgg's ReleaseGuard: ReleaseRefused, OTHER_MEMBERS_REASON logged).
 //
-// Kept in the device's state folder (secure_inputs.json, {"inputs":[[key, member digest], ...]} oldest
-// first, canonical JSON: byte for byte what the Python device writes, so either reads the other's),
-// else in memory for the process's life. Bounded: MAX_INPUTS entries, the oldest forgotten first. A
+// Kept in the device's state folder (secure_inputs.json, {"forgotten":"<base64>","inputs":[[key, member
+// digest], ...]} oldest first, canonical JSON: byte for byte what the Python device writes, so either
+// reads the other's), else in memory for the process's life. Bounded: MAX_INPUTS entries, the oldest
+// forgotten first. A forgotten input is never new again: its key goes into a Bloom filter of forgotten
+// inputs (2^20 bits, FORGOTTEN_PROBES positions cut from the key: forgottenPositions), in the file once
+// something was forgotten, and a key not kept but in the filter is refused (FORGOTTEN_REASON), else an
+// aggregator could push an input out with 1,024 tasks of other inputs and regroup it; a false positive
+// only makes the device sit a round out (about 0.65% of new inputs at 100,000 forgotten, 12% at 200,000). A
 // file that cannot be read (not a regular file of at most MAX_FILE_BYTES, not strict JSON, an entry
-// that is not two 32-digit lowercase hex strings, a key twice) fails closed: every secure input is
-// refused with LOST_REASON (the task declined), the file left for the operator and read again at
-// each secure task, so a repaired or moved-aside file serves without a restart. A write that fails
-// keeps nothing and the input is not sent. Not job state: DeviceStateStore.forget() leaves it.
+// that is not two 32-digit lowercase hex strings, a key twice, a filter that is not the canonical
+// base64 of 2^20 bits) fails closed: every secure input is refused with LOST_REASON (the task
+// declined), the file left for the operator and read again at each secure task, so a repaired or
+// moved-aside file serves without a restart. A write that fails keeps nothing and the input is not sent. Not job state: DeviceStateStore.forget() leaves it.
 package org.fedfleet.device;
 
 import java.io.File;
@@ -33,6 +38,7 @@ import java.security.MessageDigest;
 import java.security.NoSuchAlgorithmException;
 import java.util.ArrayList;
 import java.util.Arrays;
+import java.util.Base64;
 import java.util.Collections;
 import java.util.HashSet;
 import java.util.Iterator;
@@ -52,11 +58,21 @@ public final class SecureInputLedger {
     public static final int MAX_INPUTS = 1024;
     /** 128 bits of SHA-256, lowercase hex: a collision would need 2^64 inputs. */
     public static final int DIGEST_HEX = 32;
-    /** Each entry ["<32 hex>","<32 hex>"] is 72 bytes (edge_client/secure_inputs.py MAX_FILE_BYTES). */
-    public static final int MAX_FILE_BYTES = 80 * MAX_INPUTS + 64;
+    /** m: the forgotten inputs' Bloom filter, 128 KiB. */
+    public static final int FORGOTTEN_BITS = 1 << 20;
+    /** k: positions per key (forgottenPositions). */
+    public static final int FORGOTTEN_PROBES = 7;
+    /** The filter's base64 in the file: 174,764 characters. */
+    public static final int FORGOTTEN_TEXT = 4 * ((FORGOTTEN_BITS / 8 + 2) / 3);
+    /** Each entry ["<32 hex>","<32 hex>"] is 72 bytes, "forgotten":"<base64>", 15 more than the base64
+     *  (edge_client/secure_inputs.py MAX_FILE_BYTES). */
+    public static final int MAX_FILE_BYTES = 80 * MAX_INPUTS + 64 + FORGOTTEN_TEXT + 16;
     public static final String OTHER_MEMBERS_REASON = "this device's input to this task already went to a secure round of "
             + "other members: revealed over these too, the two sums could be differenced (multi-round leakage), so it "
             + "takes part only in a round of those same members";
+    public static final String FORGOTTEN_REASON = "this device forgot which members its input to this task went to (its "
+            + "secure-input ledger keeps the newest " + MAX_INPUTS + " inputs): revealed over others, the sums could be "
+            + "differenced (multi-round leakage), so it sends this input to no secure round again";
     public static final String LOST_REASON = "this device's secure-input ledger (" + NAME + " in its state folder) could "
             + "not be read: it sends no secure input until an operator repairs that file or moves it aside";
     private static final Logger LOG = LogText.oneLineLogger("fedfleet.device");
@@ -67,6 +83,7 @@ public final class SecureInputLedger {
     // keys whose set kept a round not the input's first sent its masked input on: fixed, its first
     // round may no longer narrow it to its survivors (the other may be revealed over it; secure_inputs.py)
     private final Set<String> relied = new HashSet<>();
+    private byte[] forgotten;      // the Bloom filter of the keys forgotten (bit p: byte p / 8, value 1 << p % 8); null until one is
     private String lost;
 
     /** path: where the inputs are kept (<state folder>/secure_inputs.json); null: in memory. */
@@ -104,6 +121,16 @@ public final class SecureInputLedger {
             h.update(t.data);
         }
         return hex(h.digest());
+    }
+
+    /** The forgotten-inputs filter's bit positions of an input key: position i (0 to FORGOTTEN_PROBES - 1)
+     *  is the 20-bit number whose 5 hex digits start at digit 5i of the 32-digit key, wrapping past its
+     *  last digit to its first (the seventh: digits 30, 31, 0, 1, 2). */
+    public static int[] forgottenPositions(String key) {
+        String around = key + key;
+        int[] positions = new int[FORGOTTEN_PROBES];
+        for (int i = 0; i < positions.length; i++) positions[i] = Integer.parseInt(around.substring(5 * i, 5 * i + 5), 16);
+        return positions;
     }
 
     /** The key of an input named by its vector (Fed3R-Sync's statistics before noise): inputKey of
@@ -145,6 +172,7 @@ public final class SecureInputLedger {
                 if (lost != null && load() != null) return LOST_REASON;
                 String digest = memberDigest(participants);
                 if (!kept.containsKey(key)) {
+                    if (wasForgotten(key)) return FORGOTTEN_REASON;    // its set is unknown now: new it is not
                     first = true;
                     return keep(key, digest);
                 }
@@ -158,6 +186,7 @@ public final class SecureInputLedger {
         public String unmask(Set<String> survivors) {
             synchronized (SecureInputLedger.this) {
                 if (lost != null && load() != null) return LOST_REASON;
+                if (!kept.containsKey(key) && wasForgotten(key)) return FORGOTTEN_REASON;   // pushed out since it left
                 String digest = memberDigest(survivors);
                 // the set this round revealed it over is now known, unless another round relied on it
                 if (first && !relied.contains(key)) return keep(key, digest);
@@ -166,15 +195,26 @@ public final class SecureInputLedger {
         }
     }
 
+    private boolean wasForgotten(String key) {
+        if (forgotten == null) return false;
+        for (int p : forgottenPositions(key)) if ((forgotten[p >>> 3] >> (p & 7) & 1) == 0) return false;
+        return true;
+    }
+
     private String keep(String key, String digest) {
         LinkedHashMap<String, String> before = kept;
+        byte[] forgottenBefore = forgotten;
         kept = new LinkedHashMap<>(before);
         kept.remove(key);
         kept.put(key, digest);
         relied.remove(key);                      // kept anew: no other round sent on this set yet
         for (Iterator<String> oldest = kept.keySet().iterator(); kept.size() > MAX_INPUTS; ) {
-            relied.remove(oldest.next());
+            String gone = oldest.next();
+            relied.remove(gone);
             oldest.remove();
+            if (forgotten == forgottenBefore)    // a copy: a failed write keeps the old filter
+                forgotten = forgottenBefore == null ? new byte[FORGOTTEN_BITS / 8] : forgottenBefore.clone();
+            for (int p : forgottenPositions(gone)) forgotten[p >>> 3] |= (byte) (1 << (p & 7));
         }
         if (path == null) return null;
         try {
@@ -182,9 +222,11 @@ public final class SecureInputLedger {
             for (Map.Entry<String, String> e : kept.entrySet()) entries.add(Arrays.<Object>asList(e.getKey(), e.getValue()));
             Map<String, Object> doc = new LinkedHashMap<>();
             doc.put("inputs", entries);
+            if (forgotten != null) doc.put("forgotten", Base64.getEncoder().encodeToString(forgotten));
             AtomicFile.write(path, Json.canonical(doc), DeviceStateStore.TMP, ".json.part");
         } catch (IOException | Json.JsonError e) {
             kept = before;                   // not remembered across a restart: not sent
+            forgotten = forgottenBefore;
             LOG.warning("writing the device's secure inputs " + path + " failed (" + cut(String.valueOf(e.getMessage())) + ")");
             return "this device could not write down its secure input (" + e.getClass().getSimpleName() + "): it is not sent";
         }
@@ -199,10 +241,14 @@ public final class SecureInputLedger {
                 kind = Files.readAttributes(path.toPath(), BasicFileAttributes.class);
             } catch (NoSuchFileException e) {
                 kept = new LinkedHashMap<>();
+                forgotten = null;
             }
             if (kind != null) {
                 if (!kind.isRegularFile()) throw new IOException("not a regular file");     // a FIFO would block the open
-                kept = checked(Json.parseHeader(SmallTextFile.read(path, MAX_FILE_BYTES)));
+                Object doc = Json.parseHeader(SmallTextFile.read(path, MAX_FILE_BYTES));
+                LinkedHashMap<String, String> entries = checked(doc);
+                forgotten = ((Map<?, ?>) doc).containsKey("forgotten") ? checkedFilter(((Map<?, ?>) doc).get("forgotten")) : null;
+                kept = entries;
             }
         } catch (IOException | Json.JsonError | IllegalArgumentException e) {
             String why = cut(String.valueOf(e.getMessage()));
@@ -216,10 +262,11 @@ public final class SecureInputLedger {
         return null;
     }
 
-    /** The file's entries: {"inputs": [[key, member digest], ...]}, distinct keys, oldest first. */
+    /** The file's entries: {"inputs": [[key, member digest], ...]} (and "forgotten"), distinct keys, oldest first. */
     static LinkedHashMap<String, String> checked(Object doc) {
-        if (!(doc instanceof Map) || ((Map<?, ?>) doc).size() != 1 || !(((Map<?, ?>) doc).get("inputs") instanceof List))
-            throw new IllegalArgumentException("not {\"inputs\": [...]}");
+        if (!(doc instanceof Map) || ((Map<?, ?>) doc).size() != (((Map<?, ?>) doc).containsKey("forgotten") ? 2 : 1)
+                || !(((Map<?, ?>) doc).get("inputs") instanceof List))
+            throw new IllegalArgumentException("not {\"inputs\": [...]} (and \"forgotten\")");
         LinkedHashMap<String, String> out = new LinkedHashMap<>();
         for (Object entry : (List<?>) ((Map<?, ?>) doc).get("inputs")) {
             if (!(entry instanceof List) || ((List<?>) entry).size() != 2 || !isDigest(((List<?>) entry).get(0))
@@ -229,6 +276,22 @@ public final class SecureInputLedger {
         }
         if (out.size() > MAX_INPUTS) throw new IllegalArgumentException(out.size() + " entries, at most " + MAX_INPUTS);
         return out;
+    }
+
+    /** The filter's bits from its base64 (RFC 4648, padded), exactly FORGOTTEN_BITS, written as this device
+     *  would write them (no other spelling: the two SDKs accept the same files). */
+    private static byte[] checkedFilter(Object text) {
+        String why = "a forgotten-inputs filter that is not the base64 of 2^20 bits";
+        if (!(text instanceof String) || ((String) text).length() != FORGOTTEN_TEXT) throw new IllegalArgumentException(why);
+        byte[] bits;
+        try {
+            bits = Base64.getDecoder().decode((String) text);
+        } catch (IllegalArgumentException e) {     // a character or padding out of place
+            throw new IllegalArgumentException(why);
+        }
+        if (bits.length != FORGOTTEN_BITS / 8 || !Base64.getEncoder().encodeToString(bits).equals(text))
+            throw new IllegalArgumentException(why);
+        return bits;
     }
 
     private static boolean isDigest(Object value) { return value instanceof String && DIGEST.matcher((String) value).matches(); }
