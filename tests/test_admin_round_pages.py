@@ -59,14 +59,8 @@ def test_the_last_rounds_are_the_whole_listings_last_rounds(long_job, last):
         assert view["pending"] == ([] if r <= CLOSED else devs[2:])
 
 
-@pytest.mark.parametrize("last", [0, -1, "x"])
-def test_a_bad_page_size_is_one_422(long_job, last):
-    resp = long_job.get(f"/api/jobs/long/rounds?last={last}", headers=AUTH)
-    assert resp.status_code == 422 and "last" in resp.text
-
-
-def test_the_dashboards_poll_reads_only_the_rounds_it_shows(long_job, monkeypatch):
-    """Rounds and contributions read from the store per request, counted as the store builds them."""
+def count_store_reads(monkeypatch) -> dict[str, int]:
+    """Rounds and contributions read from the store from now on, counted as the store builds them."""
     read = {"rounds": 0, "contributions": 0}
 
     def counted(cls, what):
@@ -78,6 +72,18 @@ def test_the_dashboards_poll_reads_only_the_rounds_it_shows(long_job, monkeypatc
     monkeypatch.setattr(rounds_module, "StoredRound", counted(rounds_module.StoredRound, "rounds"))
     monkeypatch.setattr(contributions_module, "StoredContribution",
                         counted(contributions_module.StoredContribution, "contributions"))
+    return read
+
+
+@pytest.mark.parametrize("last", [0, -1, "x"])
+def test_a_bad_page_size_is_one_422(long_job, last):
+    resp = long_job.get(f"/api/jobs/long/rounds?last={last}", headers=AUTH)
+    assert resp.status_code == 422 and "last" in resp.text
+
+
+def test_the_dashboards_poll_reads_only_the_rounds_it_shows(long_job, monkeypatch):
+    """Rounds and contributions read from the store per request, counted as the store builds them."""
+    read = count_store_reads(monkeypatch)
 
     def reads(path):
         read.update(rounds=0, contributions=0)
@@ -102,17 +108,7 @@ def test_one_rounds_detail_reads_only_that_round(long_job, monkeypatch, round_no
     read alone: it built the view of every round of the job, every contribution of it read, to keep
     one (a review's finding: a long job's one-round question cost what its whole history does)."""
     whole = long_job.get("/api/jobs/long/rounds", headers=AUTH).json()
-    read = {"rounds": 0, "contributions": 0}
-
-    def counted(cls, what):
-        def build(*args):
-            read[what] += 1
-            return cls(*args)
-        return build
-
-    monkeypatch.setattr(rounds_module, "StoredRound", counted(rounds_module.StoredRound, "rounds"))
-    monkeypatch.setattr(contributions_module, "StoredContribution",
-                        counted(contributions_module.StoredContribution, "contributions"))
+    read = count_store_reads(monkeypatch)
     resp = long_job.get(f"/api/jobs/long/rounds/{round_no}", headers=AUTH)
     assert resp.status_code == 200, resp.text
     assert resp.json() == whole[round_no - 1]
