@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from protocols.command_help import positive_int
 from protocols.log_text import log_to_stderr
 
 __all__ = ["build_parser", "main"]
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parity-images", type=Path,
                         help="uint8 images (.npy or IDX) for the parity check "
                              "(default: Fashion-MNIST test images)")
-    parser.add_argument("--parity-count", type=_positive_int, default=64,
+    parser.add_argument("--parity-count", type=positive_int, default=64,
                         help="images of the parity check (default 64)")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="max abs error of inference artifacts vs eager (default 1e-4)")
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calibration-images", type=Path,
                         help="uint8 images (.npy or IDX) that calibrate the int8 activation ranges, "
                              "ideally from the deployment (default: Fashion-MNIST train images)")
-    parser.add_argument("--calibration-count", type=_positive_int, default=128,
+    parser.add_argument("--calibration-count", type=positive_int, default=128,
                         help="images that calibrate the int8 ranges (default 128)")
     parser.add_argument("--quantized-tolerance", type=float, default=None,
                         help="max relative L2 error of the int8 program's outputs vs eager fp32 "
@@ -70,18 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export (a folder holding a manifest.json; any other non-empty folder is refused)")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    """An image count: a bad one is a bad argument (exit 2), as the export's other counts are; it was
-    found only when the images were loaded, and exited 1 as an export that failed."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 # the module's docstring is `fedfleet admin --help`'s description: the request and its bounds are in
 # admin_client.py, what is printed for people in admin_rendering.py
-from protocols.command_help import HelpFormatter
+from protocols.command_help import HelpFormatter, positive_int
 from protocols.messages import MAX_TAGS, TAG_PATTERN
 from protocols.regular_file import read_regular_file
 
@@ -41,17 +41,6 @@ from .terminal_text import one_line, terminal_safe
 DEFAULT_URL = "http://127.0.0.1:8080"
 MAX_CONFIG_BYTES = 1024 * 1024      # a job config file: the largest request the admin API takes
 MAX_TOKEN_FILE_BYTES = 64 * 1024    # a token is tens of characters
-
-
-def positive_int(text: str) -> int:
-    """argparse's type of a count: a whole number of at least 1, else one line saying so."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
 
 
 # ----------------------------------------------------------------------------- commands

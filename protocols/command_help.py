@@ -1,4 +1,5 @@
-"""The help layout of every fedfleet command (``fedfleet``'s own and ``fedfleet aggregator``'s)."""
+"""The help layout of every fedfleet command (``fedfleet``'s own and ``fedfleet aggregator``'s), and
+the argument types they share."""
 
 from __future__ import annotations
 
@@ -16,3 +17,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
                 or (isinstance(default, (str, tuple, list)) and not default) or "default" in (action.help or "")):
             return action.help
         return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """argparse's type of a count: a whole number of at least 1, else one line saying so (a bad
+    argument, exit 2, found before any work starts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
