@@ -36,7 +36,7 @@ from protocols.envelope import Envelope, EnvelopeError, encode
 from protocols.message_loop import ENDS_THE_LOOP, MessageLoop
 from protocols.mqtt_link import BrokerConfig, MqttLink
 from protocols.payloads.job_end import JOB_ENDED, MAX_NOTICES, parse_job_ended
-from protocols.payloads.stateful import foreign_job
+from protocols.payloads.stateful import bound_run, foreign_job
 from protocols.identity import sender_verifier
 from protocols.topics import AGGREGATOR_ID, Topics
 
@@ -197,7 +197,10 @@ class DeviceAgent:
         # the device's per-job state (the stateful handlers' store): a job's goes when the aggregator
         # says the job ended (``job.ended`` on the retained Topics.job_ends, signed like its tasks)
         self.state = state
-        self._ignored_ends: set[tuple[str, str]] = set()     # notices of jobs/runs this device holds nothing of
+        # the (job, run)s whose end this device handled, oldest first: a task of one of them that
+        # arrives later (queued behind the notice, redelivered) is skipped, or it would write that
+        # run's state again, kept until the job's horizon (a review's finding)
+        self._ended_runs: dict[tuple[str, str], None] = {}
         # Ed25519 signing of every envelope (DeviceIdentity.sign) when the aggregator requires it.
         self.signer = signer
         # Multi-message protocols (secure aggregation): task kind or message type -> an object with
@@ -371,6 +374,9 @@ class DeviceAgent:
             if addressee is not None and addressee != self.device_id:
                 self._execute([SkipTask(ref, f"addressed to {addressee[:64]!r}, not to this device")])
                 return
+            if (ref.job, bound_run(params)) in self._ended_runs:
+                self._execute([SkipTask(ref, "its job ended: this device dropped the run's state and keeps none")])
+                return
             self._execute(self.session.handle(TaskArrived(ref, kind, params, deadline, dict(env.tensors),
                                                           received_at=self.clock(), sent_at=env.ts)))
         elif self._protocol(env.type, MessageHandler) is not None:
@@ -414,17 +420,20 @@ class DeviceAgent:
         return handler if isinstance(handler, role) else None
 
     def _on_job_ended(self, env) -> None:
-        """Drop the state of each ended job this device holds for the run that ended; say once
-        per (job, run) that a notice changed nothing (the retained list comes on every connect)."""
+        """Drop the state of each ended job this device holds for the run that ended, and remember
+        the run (its later tasks are skipped); say once per (job, run) that a notice changed nothing
+        (the retained list comes on every connect)."""
         if self.state is None:
             return
         for notice in parse_job_ended(env):
+            key = (notice.job, notice.run)
+            new = key not in self._ended_runs
+            if new and len(self._ended_runs) >= 4 * MAX_NOTICES:     # bounded, whoever sends notices
+                del self._ended_runs[next(iter(self._ended_runs))]
+            self._ended_runs[key] = None
             if self.state.drop_run(notice.job, notice.run):
                 log.info("%s: job %s %s: its state dropped", self.device_id, notice.job, notice.reason)
-            elif (notice.job, notice.run) not in self._ignored_ends:
-                if len(self._ignored_ends) >= 4 * MAX_NOTICES:       # bounded, whoever sends notices
-                    self._ignored_ends.clear()
-                self._ignored_ends.add((notice.job, notice.run))
+            elif new:
                 log.info("%s: job %s (run %s) %s: no state of that run here, nothing dropped",
                          self.device_id, notice.job, notice.run, notice.reason)
 

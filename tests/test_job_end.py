@@ -254,3 +254,60 @@ def test_the_java_device_applies_job_ended_as_the_python_device_does(java_cp, tm
     assert answers[0] == "JOBS j1,j2,j3", out.stderr
     assert [a.split(" ")[0] if a.startswith("REFUSED") else a for a in answers[1:]] == want, out.stdout + out.stderr
     assert sorted(DeviceStateStore(tmp_path / "java").jobs()) == ["j2"]      # the Python store reads what Java left
+
+
+def test_a_stateful_task_queued_behind_its_jobs_end_is_skipped_and_writes_nothing(broker, tmp_path):
+    """The device is busy while the aggregator's ``job.ended`` and then a late task of that run
+    (sent before the job ended) queue up: once the notice is handled the task is skipped with one
+    reason and the job's state is not written again (it was, and stayed until the job's horizon);
+    a task of another run of the same job id still runs."""
+    from test_aggregator_over_mqtt import raw_client
+
+    from edge_client import golden_training as g
+    from edge_client.agent import DeviceAgent
+    from edge_client.state import DeviceStateStore
+    from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
+    from protocols import messages as M
+    from protocols.mqtt_link import BrokerConfig
+
+    topics, job = Topics("lateend"), "scaffold-late"
+    aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
+    store = DeviceStateStore(tmp_path / "state")
+    store.save(job, RUN_A, 1, {"c": np.ones(3, np.float32)})        # what its round 1 left
+    handler = ScaffoldTrainingTask(*g.features(), lambda b, s, w: g._GivenFeatures(g.D), store)
+    agent = DeviceAgent("late0", BrokerConfig.from_url(broker.url), {"scaffold.head": handler}, topics=topics,
+                        aggregator_key=aggregator.public_key_bytes, state=store).start()
+
+    def task(run: str, round_: int) -> bytes:
+        params = {**g.STATEFUL_RECIPE, "job_id": job,
+                  "state": {"run": run, "round": round_, "max_staleness": 5, "ttl_s": 3600.0}}
+        env = M.task_message(AGGREGATOR_ID, job, round_, "scaffold.head", params, time.time() + 60)
+        env.tensors.update(g.round_tensors("scaffold.head", round_))
+        return encode(env, signer=aggregator.sign)
+
+    publisher = raw_client(broker)
+    busy, release = threading.Event(), threading.Event()
+    try:
+        assert wait_for(lambda: agent.online)
+        time.sleep(0.5)                 # subscribed (the broker answers the connect first)
+        holder = threading.Thread(target=lambda: agent.loop.call(lambda: busy.set() or release.wait(20), 25))
+        holder.start()
+        assert busy.wait(10)
+        publisher.publish(topics.job_ends, encode(job_ended_message(AGGREGATOR_ID, [JobEnded(job, RUN_A, "done")]),
+                                                  signer=aggregator.sign), qos=1).wait_for_publish(5)
+        publisher.publish(topics.inbox("late0"), task(RUN_A, 2), qos=1).wait_for_publish(5)
+        assert wait_for(lambda: len(agent.loop._queued) == 2), agent.loop._queued     # both wait, notice first
+        release.set()
+        holder.join(10)
+        assert wait_for(lambda: agent.stats.tasks_skipped + agent.stats.tasks_done >= 1)
+        time.sleep(0.3)
+        assert (agent.stats.tasks_skipped, agent.stats.tasks_done, store.jobs()) == (1, 0, []), \
+            (agent.stats, store.jobs())
+        publisher.publish(topics.inbox("late0"), task(RUN_B, 1), qos=1).wait_for_publish(5)    # the job id reused
+        assert wait_for(lambda: agent.stats.tasks_done == 1), agent.stats
+        assert store.load(job, RUN_B) is not None
+    finally:
+        release.set()
+        agent.stop()
+        publisher.publish(topics.job_ends, b"", qos=1, retain=True).wait_for_publish(5)
+        publisher.loop_stop()

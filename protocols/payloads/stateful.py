@@ -65,6 +65,16 @@ class StateBinding(WireParams):
         return asdict(self)
 
 
+def bound_run(params: Any) -> str | None:
+    """The run a stateful task's params bind its state to (``state.run``), None where they name none
+    (a plain task, or params too malformed to bind anything: the handler declines those). What a
+    device matches against the runs ``job.ended`` named; the Java ``StatefulHeadParams.boundRun``
+    is the same rule."""
+    state = params.get("state") if isinstance(params, dict) else None
+    run = state.get("run") if isinstance(state, dict) else None
+    return run if isinstance(run, str) else None
+
+
 def foreign_job(params: Any, job: str) -> str | None:
     """Why a task of job ``job`` whose params name another ``job_id`` is declined (None: they do not).
     A stateful task keys the device's state by that param, so one naming another job would read or
