@@ -256,6 +256,18 @@ def test_the_java_device_applies_job_ended_as_the_python_device_does(java_cp, tm
     assert sorted(DeviceStateStore(tmp_path / "java").jobs()) == ["j2"]      # the Python store reads what Java left
 
 
+def scaffold_task(aggregator: DeviceIdentity, job: str, run: str, round_: int) -> bytes:
+    """A signed ``scaffold.head`` task of ``job``'s ``run`` on the golden vectors' recipe and head."""
+    from edge_client import golden_training as g
+    from protocols import messages as M
+
+    params = {**g.STATEFUL_RECIPE, "job_id": job,
+              "state": {"run": run, "round": round_, "max_staleness": 5, "ttl_s": 3600.0}}
+    env = M.task_message(AGGREGATOR_ID, job, round_, "scaffold.head", params, time.time() + 60)
+    env.tensors.update(g.round_tensors("scaffold.head", round_))
+    return encode(env, signer=aggregator.sign)
+
+
 def test_a_stateful_task_queued_behind_its_jobs_end_is_skipped_and_writes_nothing(broker, tmp_path):
     """The device is busy while the aggregator's ``job.ended`` and then a late task of that run
     (sent before the job ended) queue up: once the notice is handled the task is skipped with one
@@ -267,7 +279,6 @@ def test_a_stateful_task_queued_behind_its_jobs_end_is_skipped_and_writes_nothin
     from edge_client.agent import DeviceAgent
     from edge_client.state import DeviceStateStore
     from edge_client.tasks.scaffold_training import ScaffoldTrainingTask
-    from protocols import messages as M
     from protocols.mqtt_link import BrokerConfig
 
     topics, job = Topics("lateend"), "scaffold-late"
@@ -277,13 +288,6 @@ def test_a_stateful_task_queued_behind_its_jobs_end_is_skipped_and_writes_nothin
     handler = ScaffoldTrainingTask(*g.features(), lambda b, s, w: g._GivenFeatures(g.D), store)
     agent = DeviceAgent("late0", BrokerConfig.from_url(broker.url), {"scaffold.head": handler}, topics=topics,
                         aggregator_key=aggregator.public_key_bytes, state=store).start()
-
-    def task(run: str, round_: int) -> bytes:
-        params = {**g.STATEFUL_RECIPE, "job_id": job,
-                  "state": {"run": run, "round": round_, "max_staleness": 5, "ttl_s": 3600.0}}
-        env = M.task_message(AGGREGATOR_ID, job, round_, "scaffold.head", params, time.time() + 60)
-        env.tensors.update(g.round_tensors("scaffold.head", round_))
-        return encode(env, signer=aggregator.sign)
 
     publisher = raw_client(broker)
     busy, release = threading.Event(), threading.Event()
@@ -295,7 +299,7 @@ def test_a_stateful_task_queued_behind_its_jobs_end_is_skipped_and_writes_nothin
         assert busy.wait(10)
         publisher.publish(topics.job_ends, encode(job_ended_message(AGGREGATOR_ID, [JobEnded(job, RUN_A, "done")]),
                                                   signer=aggregator.sign), qos=1).wait_for_publish(5)
-        publisher.publish(topics.inbox("late0"), task(RUN_A, 2), qos=1).wait_for_publish(5)
+        publisher.publish(topics.inbox("late0"), scaffold_task(aggregator, job, RUN_A, 2), qos=1).wait_for_publish(5)
         assert wait_for(lambda: len(agent.loop._queued) == 2), agent.loop._queued     # both wait, notice first
         release.set()
         holder.join(10)
@@ -303,7 +307,8 @@ def test_a_stateful_task_queued_behind_its_jobs_end_is_skipped_and_writes_nothin
         time.sleep(0.3)
         assert (agent.stats.tasks_skipped, agent.stats.tasks_done, store.jobs()) == (1, 0, []), \
             (agent.stats, store.jobs())
-        publisher.publish(topics.inbox("late0"), task(RUN_B, 1), qos=1).wait_for_publish(5)    # the job id reused
+        # the job id reused: another run, which runs
+        publisher.publish(topics.inbox("late0"), scaffold_task(aggregator, job, RUN_B, 1), qos=1).wait_for_publish(5)
         assert wait_for(lambda: agent.stats.tasks_done == 1), agent.stats
         assert store.load(job, RUN_B) is not None
     finally:
@@ -311,3 +316,45 @@ def test_a_stateful_task_queued_behind_its_jobs_end_is_skipped_and_writes_nothin
         agent.stop()
         publisher.publish(topics.job_ends, b"", qos=1, retain=True).wait_for_publish(5)
         publisher.loop_stop()
+
+
+def test_a_java_stateful_task_of_a_run_whose_end_it_handled_is_skipped_and_writes_nothing(java_cp, broker, tmp_path):
+    """The Java device (HeadlessDevices over mosquitto) handles ``job.ended`` for the run it holds,
+    then gets a late task of that run: skipped with its reason, no state written again (it was);
+    a task of another job runs and keeps its state. One agent thread takes its inbox in order, so
+    once that job's state is there the late task was handled."""
+    import subprocess
+
+    import java_build
+    from test_aggregator_over_mqtt import raw_client
+    from test_java_device import write_features
+
+    from edge_client import golden_training as g
+    from edge_client.state import DeviceStateStore
+
+    topics, job = Topics("javalateend"), "scaffold-late"
+    aggregator = DeviceIdentity.generate(AGGREGATOR_ID)
+    store = DeviceStateStore(tmp_path / "state" / "java0")
+    store.save(job, RUN_A, 1, {"c": np.ones(3, np.float32)})        # what its round 1 left
+    feats = write_features(tmp_path / "f.feat", *g.features())
+    jvm = subprocess.Popen(java_build.java_command(
+        "-cp", java_cp, "org.fedfleet.device.HeadlessDevices", "--stop-on-stdin-eof", "--broker", broker.url,
+        "--root", topics.root, "--aggregator-key", aggregator.public_key_bytes.hex(), "--tick", "0.1",
+        "--state-dir", str(tmp_path / "state"), "--device", "java0", str(feats), "-"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    publisher = raw_client(broker)
+    try:
+        publisher.publish(topics.job_ends, encode(job_ended_message(AGGREGATOR_ID, [JobEnded(job, RUN_A, "done")]),
+                                                  signer=aggregator.sign), qos=1, retain=True).wait_for_publish(5)
+        assert wait_for(lambda: store.jobs() == [], 30), "the Java device did not drop the ended run's state"
+        publisher.publish(topics.inbox("java0"), scaffold_task(aggregator, job, RUN_A, 2), qos=1).wait_for_publish(5)
+        later = scaffold_task(aggregator, "scaffold-next", RUN_B, 1)
+        publisher.publish(topics.inbox("java0"), later, qos=1).wait_for_publish(5)
+        assert wait_for(lambda: "scaffold-next" in store.jobs(), 30), "the Java device ran no task"
+        assert store.jobs() == ["scaffold-next"]
+    finally:
+        publisher.publish(topics.job_ends, b"", qos=1, retain=True).wait_for_publish(5)
+        publisher.loop_stop()
+        out, err = jvm.communicate(timeout=30)
+    assert "its job ended" in err, err[-3000:]

@@ -89,7 +89,9 @@ public final class MqttAgent implements AutoCloseable {
     private final CountDownLatch firstConnect = new CountDownLatch(1);
     private final SecAggSessions secagg;
     private final SecureRounds secureRounds;        // null: no secure kinds
-    private final java.util.Set<String> ignoredEnds = new java.util.HashSet<>();   // notices that changed nothing, logged once
+    // the "job run"s whose end this device handled, oldest first: a task of one that arrives later
+    // (queued behind the notice, redelivered) is skipped, or it would write that run's state again
+    private final java.util.Set<String> endedRuns = new java.util.LinkedHashSet<>();
     private final java.util.Set<String> skippedFor = new java.util.HashSet<>();    // (job, reason) of skipped or stopped tasks, logged once (at most 64)
 
     public MqttAgent(String deviceId, URI broker, Map<String, TaskHandler> handlers, Options options) throws Exception {
@@ -309,6 +311,9 @@ public final class MqttAgent implements AutoCloseable {
             if (addressee != null && !addressee.equals(deviceId))      // re-published from another device's inbox
                 execute(Collections.<DeviceSession.Action>singletonList(new DeviceSession.SkipTask(task.ref,
                         "addressed to '" + addressee + "', not to this device")));
+            else if (endedRuns.contains(task.ref.job + " " + StatefulHeadParams.boundRun(task.params)))
+                execute(Collections.<DeviceSession.Action>singletonList(new DeviceSession.SkipTask(task.ref,
+                        "its job ended: this device dropped the run's state and keeps none")));
             else
                 execute(session.onTask(task, env.tensors, System.currentTimeMillis() / 1000.0));
         } else if (SecAggMessage.ENVELOPE_TYPE.equals(env.type())) {
@@ -333,14 +338,22 @@ public final class MqttAgent implements AutoCloseable {
         }
     }
 
-    /** Drop the state of each ended job held for the run that ended; once per (job, run), say a notice changed nothing. */
+    /** Drop the state of each ended job held for the run that ended, and remember the run (its later
+     *  tasks are skipped); once per (job, run), say a notice changed nothing. */
     private void onJobEnded(List<JobEnded> notices) {
         List<JobEnded> dropped = JobEnded.apply(notices, o.state);
         for (JobEnded n : notices) {
+            String key = n.job + " " + n.run;
+            boolean fresh = !endedRuns.contains(key);
+            if (fresh && endedRuns.size() >= 4 * JobEnded.MAX_NOTICES) {     // bounded, whoever sends notices
+                java.util.Iterator<String> oldest = endedRuns.iterator();
+                oldest.next();
+                oldest.remove();
+            }
+            endedRuns.add(key);
             if (dropped.contains(n)) {
                 LOG.info(deviceId + ": job " + n.job + " " + n.reason + ": its state dropped");
-            } else if (ignoredEnds.add(n.job + " " + n.run)) {
-                if (ignoredEnds.size() > 4 * JobEnded.MAX_NOTICES) { ignoredEnds.clear(); ignoredEnds.add(n.job + " " + n.run); }
+            } else if (fresh) {
                 LOG.info(deviceId + ": job " + n.job + " (run " + n.run + ") " + n.reason + ": no state of that run here");
             }
         }

@@ -23,6 +23,14 @@ public class StatefulHeadParams {
         state = StateBinding.fromParams(p.get("state"), kind);
     }
 
+    /** The run a stateful task's params bind its state to (`state.run`), null where they name none:
+     *  what a device matches against the runs `job.ended` named (protocols/payloads/stateful.py bound_run). */
+    static String boundRun(Map<String, Object> params) {
+        Object state = params.get("state");
+        Object run = state instanceof Map ? ((Map<?, ?>) state).get("run") : null;
+        return run instanceof String ? (String) run : null;
+    }
+
     /** Why a task of job `job` whose params name another job_id is declined (null: they do not): a
      *  stateful task keys the device's state by that param (protocols/payloads/stateful.py foreign_job). */
     static String foreignJob(Map<String, Object> params, String job) {
