@@ -29,7 +29,7 @@ def render_metrics(store, service=None) -> str:
                [({"status": s}, counts.get(s, 0)) for s in ("enrolled", "revoked")])
     out.metric("fedfleet_devices_online", "gauge", "Devices whose last presence message said online.",
                [({}, len(live.get("devices_online", ())) if live else store.online_count())])
-    # counted in SQLite: every job read and parsed per scrape cost seconds at 20,000 jobs
+    # counted in SQLite: every job was read and parsed on each scrape, a cost growing with the jobs kept
     out.metric("fedfleet_jobs", "gauge", "Jobs by state.",
                [({"state": s}, n) for s, n in sorted(store.job_state_counts().items())])
     job = live.get("job") if live else None

@@ -17,7 +17,7 @@ from fastapi import HTTPException, Query, Response, status
 
 from aggregator.api.schemas import ONE
 
-PAGE, MAX_PAGE = 1000, 5000         # rows per page: default, most (a job is ~1.4 KB of JSON: 7 MB at most)
+PAGE, MAX_PAGE = 1000, 5000         # rows per page: default, most (a page of jobs is bounded by MAX_PAGE rows)
 Order = Literal["oldest", "newest"]
 PAGED = ("; a page at a time: at most `limit` (default 1000, at most 5000); `order` oldest (default) or newest "
          "first; the header X-Total-Count counts the whole listing and, when more follow, X-Next-After names the "

@@ -24,8 +24,8 @@ async function apiPage(path) {
   return { rows, total: Number(resp.headers.get("X-Total-Count") ?? rows.length) };
 }
 
-// What the tables show, all the dashboard asks for each second: the newest of each listing (20,000
-// jobs were read, counted and sent whole every second, 28 MB each time)
+// What the tables show, all the dashboard asks for each second: the newest of each listing (each was
+// read and sent whole every second, growing with every job the service ever ran)
 const JOBS_SHOWN = 50, MODELS_SHOWN = 20, DEPLOYMENTS_SHOWN = 20;
 
 function ago(ts) {
